@@ -1,0 +1,74 @@
+"""Token embedding and LM head, both split over ranks along the vocabulary.
+
+Rank ``r`` holds rows ``[r * n, (r + 1) * n)`` with ``n = ceil(vocab / tp)``; rows past the
+real vocabulary are zero padding (their logits are sliced off by the engine).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minisgl.distributed import TPGroup
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        tp: TPGroup,
+        weight: nn.Parameter | None = None,
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.num_embeddings = num_embeddings
+        self.rows_per_rank = -(-num_embeddings // tp.size)
+        self.start = tp.rank * self.rows_per_rank
+        if weight is None:
+            weight = nn.Parameter(
+                torch.empty(self.rows_per_rank, embedding_dim), requires_grad=False
+            )
+            weight.weight_loader = self.weight_loader
+        self.weight = weight
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if loaded.shape[1] != param.shape[1] or loaded.shape[0] != self.num_embeddings:
+            raise ValueError(
+                f"embedding: checkpoint shape {tuple(loaded.shape)} != "
+                f"({self.num_embeddings}, {param.shape[1]})"
+            )
+        n = max(0, min(self.rows_per_rank, self.num_embeddings - self.start))
+        param.data[:n].copy_(loaded[self.start : self.start + n])
+        param.data[n:].zero_()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        mask = (local >= 0) & (local < self.rows_per_rank)
+        out = F.embedding(local.masked_fill(~mask, 0), self.weight)
+        out.mul_(mask.unsqueeze(-1).to(out.dtype))
+        return self.tp.all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Projects hidden states to logits over the (padded) vocabulary, gathered from all ranks.
+
+    With ``tied`` the weight is the embedding's parameter itself (no copy).
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        tp: TPGroup,
+        tied: VocabParallelEmbedding | None = None,
+    ) -> None:
+        super().__init__(
+            num_embeddings, embedding_dim, tp, weight=tied.weight if tied is not None else None
+        )
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_gather(F.linear(hidden, self.weight), dim=-1)

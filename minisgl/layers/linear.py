@@ -1,0 +1,144 @@
+"""Tensor-parallel linear layers.
+
+Column-parallel layers split the output features over ranks (no communication);
+row-parallel layers split the input features and all-reduce the partial sums.
+Parameters are created uninitialized (``torch.empty``) and filled by ``weight_loader``,
+which takes the full HF checkpoint tensor and copies this rank's shard::
+
+    merged QKV weight rows:  [ q (local heads) | k (local kv heads) | v (local kv heads) ]
+    merged gate_up rows:     [ gate (local) | up (local) ]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minisgl.distributed import TPGroup
+
+
+def _divide(n: int, d: int, what: str) -> int:
+    if n % d:
+        raise ValueError(f"{what} ({n}) is not divisible by the tensor-parallel size ({d})")
+    return n // d
+
+
+class _Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
+        super().__init__()
+        self.tp = tp
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.bias = None
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(f"{name}: checkpoint shard shape {tuple(src.shape)} != {tuple(dst.shape)}")
+    dst.copy_(src)
+
+
+class ColumnParallelLinear(_Linear):
+    """``y = x W^T + b`` with output features split over ranks; output stays sharded."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
+        super().__init__(in_features, _divide(out_features, tp.size, "output features"), bias, tp)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        n = param.shape[0]
+        _copy(param.data, loaded.narrow(0, self.tp.rank * n, n), "column-parallel linear")
+
+
+class MergedColumnParallelLinear(_Linear):
+    """Several column-parallel linears with the same input, fused into one matmul
+    (e.g. gate and up projections). ``shard_id`` is the index into ``output_sizes``."""
+
+    def __init__(
+        self, in_features: int, output_sizes: Sequence[int], bias: bool, tp: TPGroup
+    ) -> None:
+        self.local_sizes = [_divide(n, tp.size, "output features") for n in output_sizes]
+        super().__init__(in_features, sum(self.local_sizes), bias, tp)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        offset = sum(self.local_sizes[:shard_id])
+        n = self.local_sizes[shard_id]
+        _copy(
+            param.data.narrow(0, offset, n),
+            loaded.narrow(0, self.tp.rank * n, n),
+            f"merged linear shard {shard_id}",
+        )
+
+
+class QKVParallelLinear(_Linear):
+    """The q, k and v projections fused into one matmul, split by heads over ranks.
+
+    When there are fewer KV heads than ranks, each KV head is replicated on
+    ``tp.size // num_kv_heads`` consecutive ranks.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool,
+        tp: TPGroup,
+    ) -> None:
+        self.head_dim = head_dim
+        self.num_local_heads = _divide(num_heads, tp.size, "attention heads")
+        if num_kv_heads >= tp.size:
+            self.num_local_kv_heads = _divide(num_kv_heads, tp.size, "key/value heads")
+            self.kv_head_start = tp.rank * self.num_local_kv_heads
+        else:
+            _divide(tp.size, num_kv_heads, "tensor-parallel size over key/value heads")
+            self.num_local_kv_heads = 1
+            self.kv_head_start = tp.rank * num_kv_heads // tp.size
+        q_size = self.num_local_heads * head_dim
+        kv_size = self.num_local_kv_heads * head_dim
+        self.q_size, self.kv_size = q_size, kv_size
+        super().__init__(hidden_size, q_size + 2 * kv_size, bias, tp)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if shard_id == "q":
+            offset, n, start = 0, self.q_size, self.tp.rank * self.q_size
+        elif shard_id in ("k", "v"):
+            offset = self.q_size + (self.kv_size if shard_id == "v" else 0)
+            n, start = self.kv_size, self.kv_head_start * self.head_dim
+        else:
+            raise ValueError(f"unknown QKV shard {shard_id!r}")
+        _copy(param.data.narrow(0, offset, n), loaded.narrow(0, start, n), f"qkv shard {shard_id}")
+
+
+class RowParallelLinear(_Linear):
+    """``y = x W^T + b`` with input features split over ranks; the partial products are
+    all-reduced (the bias is added once, on rank 0)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
+        super().__init__(_divide(in_features, tp.size, "input features"), out_features, bias, tp)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if param.dim() == 1:
+            _copy(param.data, loaded, "row-parallel bias")
+            return
+        n = param.shape[1]
+        _copy(param.data, loaded.narrow(1, self.tp.rank * n, n), "row-parallel linear")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias if self.tp.rank == 0 else None
+        return self.tp.all_reduce(F.linear(x, self.weight, bias))

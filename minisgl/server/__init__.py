@@ -1,0 +1,1 @@
+"""The online server: CLI, launcher, OpenAI-compatible HTTP API, worker processes, shell."""
