@@ -37,6 +37,8 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_KV_MEMORY_GB = 4.0
+CPU_PACKED_LINEARS = True
+"""float32 on CPU: run linear layers through oneDNN on pre-packed weights (see bench)."""
 MAX_POOL_SEQS = 64
 """The pool never holds more than this many ``max_seq_len`` sequences' worth of tokens."""
 
@@ -117,6 +119,8 @@ class Engine:
         with torch.device(self.device), _default_dtype(self.dtype):
             model = model_cls(self.model_config, self.tp, self.max_seq_len)
         model.load_weights(iter_safetensors(self.model_path))
+        if self.device.type == "cpu" and self.dtype == torch.float32 and CPU_PACKED_LINEARS:
+            model.pack_linears_for_cpu()
         return model.eval()
 
     def _num_pages(self) -> int:

@@ -195,6 +195,7 @@ class Sampler:
         self._seeded = torch.Generator()
         self._buffers: dict[str, torch.Tensor] = {}
 
+    @torch.inference_mode()
     def sample(self, logits: torch.Tensor, infos: Sequence[SampleInfo]) -> BatchOutput:
         """Next token per row; log-probabilities when any request asks for them.
 

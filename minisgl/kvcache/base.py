@@ -29,6 +29,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 EMPTY_INDICES = torch.empty(0, dtype=torch.int32)
@@ -80,7 +81,7 @@ class BasePrefixCache(ABC):
 
     @abstractmethod
     def insert_prefix(
-        self, token_ids: Sequence[int], indices: Sequence[int] | torch.Tensor
+        self, token_ids: Sequence[int], indices: Sequence[int] | torch.Tensor | np.ndarray
     ) -> InsertResult:
         """Offer the page-aligned part of ``token_ids`` with the caller's slots ``indices``.
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from minisgl.kvcache.base import EMPTY_INDICES, BasePrefixCache, InsertResult, PrefixMatch
@@ -20,7 +21,7 @@ class NaivePrefixCache(BasePrefixCache):
         return PrefixMatch(handle=None, cached_len=0, indices=EMPTY_INDICES)
 
     def insert_prefix(
-        self, token_ids: Sequence[int], indices: Sequence[int] | torch.Tensor
+        self, token_ids: Sequence[int], indices: Sequence[int] | torch.Tensor | np.ndarray
     ) -> InsertResult:
         return InsertResult(
             handle=None, cached_len=0, indices=EMPTY_INDICES, duplicates=EMPTY_INDICES

@@ -9,6 +9,9 @@ Example with ``page_size == 1`` after inserting [1,2,3,4], [1,2,3,8], [1,2,9]::
                    |       +- [8]
                    +- [9]
 
+Slots are kept as numpy int32 arrays (an order of magnitude less overhead per call than small
+torch ops on the host) and handed out as torch tensors.
+
 Eviction candidates (unreferenced leaves) sit in a heap keyed by last access time, updated
 incrementally with lazy invalidation: each node has at most one live entry, an entry whose
 node was touched since it was pushed is re-pushed with the newer time when popped, and an
@@ -21,15 +24,18 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from minisgl.kvcache.base import EMPTY_INDICES, BasePrefixCache, InsertResult, PrefixMatch
+
+_NO_SLOTS = np.empty(0, dtype=np.int32)
 
 
 class _Node:
     __slots__ = ("key", "value", "parent", "children", "ref", "last_access", "heap_seq")
 
-    def __init__(self, key: tuple[int, ...], value: torch.Tensor, parent: _Node | None) -> None:
+    def __init__(self, key: tuple[int, ...], value: np.ndarray, parent: _Node | None) -> None:
         self.key = key
         self.value = value
         self.parent = parent
@@ -74,7 +80,7 @@ class RadixPrefixCache(BasePrefixCache):
 
     def __init__(self, page_size: int) -> None:
         super().__init__(page_size)
-        self._root = _Node((), EMPTY_INDICES, None)
+        self._root = _Node((), _NO_SLOTS, None)
         self._evictable = 0
         self._protected = 0
         self._num_locks = 0
@@ -91,35 +97,34 @@ class RadixPrefixCache(BasePrefixCache):
     def match_prefix(self, token_ids: Sequence[int]) -> PrefixMatch:
         tokens = _as_tuple(token_ids)
         node, pos, values = self._walk(tokens, len(tokens) - len(tokens) % self.page_size)
-        return PrefixMatch(handle=node, cached_len=pos, indices=_cat(values))
+        return PrefixMatch(handle=node, cached_len=pos, indices=_to_torch(values))
 
     def insert_prefix(
-        self, token_ids: Sequence[int], indices: Sequence[int] | torch.Tensor
+        self, token_ids: Sequence[int], indices: Sequence[int] | torch.Tensor | np.ndarray
     ) -> InsertResult:
         tokens = _as_tuple(token_ids)
         n = len(tokens) - len(tokens) % self.page_size
-        mine = torch.as_tensor(indices, dtype=torch.int32)
-        if mine.dim() != 1 or mine.numel() < n:
-            raise ValueError(f"need {n} slot indices, got shape {tuple(mine.shape)}")
+        mine = _to_numpy(indices)
+        if mine.ndim != 1 or mine.shape[0] < n:
+            raise ValueError(f"need {n} slot indices, got shape {mine.shape}")
         node, pos, values = self._walk(tokens, n)
         if pos < n:
-            leaf = _Node(tokens[pos:n], mine[pos:n].clone(), node)
+            leaf = _Node(tokens[pos:n], mine[pos:n].copy(), node)
             leaf.last_access = self._clock
             node.children[self._first_key(tokens, pos)] = leaf
             self._evictable += n - pos
             self._push(leaf)
             values.append(leaf.value)
             node = leaf
-        held = _cat(values)
+        held = _to_torch(values)
         duplicates = EMPTY_INDICES
         if pos:
-            own = mine[:pos]
-            differ = own != held[:pos]
-            if bool(differ.any()):
-                duplicates = own[differ]
+            own, cached = mine[:pos], held.numpy()[:pos]
+            if own.tobytes() != cached.tobytes():
+                duplicates = torch.from_numpy(own[own != cached])
         return InsertResult(handle=node, cached_len=n, indices=held, duplicates=duplicates)
 
-    def _walk(self, tokens: tuple[int, ...], limit: int) -> tuple[_Node, int, list[torch.Tensor]]:
+    def _walk(self, tokens: tuple[int, ...], limit: int) -> tuple[_Node, int, list[np.ndarray]]:
         """Follow ``tokens[:limit]`` (page aligned) down the tree, splitting a node where the
         match ends inside it and touching every node on the way. Returns the deepest node
         reached, the matched length and the slot tensors along the path."""
@@ -128,7 +133,7 @@ class RadixPrefixCache(BasePrefixCache):
         now = self._clock
         node = self._root
         pos = 0
-        values: list[torch.Tensor] = []
+        values: list[np.ndarray] = []
         while pos < limit:
             child = node.children.get(self._first_key(tokens, pos))
             if child is None:
@@ -208,7 +213,7 @@ class RadixPrefixCache(BasePrefixCache):
     def evict(self, num_tokens: int) -> torch.Tensor:
         heap = self._heap
         root = self._root
-        freed: list[torch.Tensor] = []
+        freed: list[np.ndarray] = []
         done = 0
         while done < num_tokens and heap:
             stamp, seq, node = heapq.heappop(heap)
@@ -230,7 +235,7 @@ class RadixPrefixCache(BasePrefixCache):
             if parent is not root and parent.ref == 0 and not parent.children:
                 if parent.heap_seq < 0:
                     self._push(parent)
-        return _cat(freed)
+        return _to_torch(freed)
 
     # ---- accounting and checks ---------------------------------------------------------
     @property
@@ -259,7 +264,7 @@ class RadixPrefixCache(BasePrefixCache):
         return out
 
     def all_indices(self) -> torch.Tensor:
-        return _cat([n.value for n in self._nodes()])
+        return _to_torch([n.value for n in self._nodes()])
 
     def check_integrity(self) -> None:
         ps = self.page_size
@@ -273,10 +278,8 @@ class RadixPrefixCache(BasePrefixCache):
             _require(
                 size > 0 and size % ps == 0, f"node size {size} not a positive multiple of {ps}"
             )
-            _require(
-                node.value.numel() == size, f"node has {size} tokens, {node.value.numel()} slots"
-            )
-            _require(node.value.dtype == torch.int32, f"node slots dtype {node.value.dtype}")
+            _require(node.value.shape == (size,), f"{size} tokens, slots {node.value.shape}")
+            _require(node.value.dtype == np.int32, f"node slots dtype {node.value.dtype}")
             _require(
                 parent is not None and parent.children.get(self._first_key(node.key, 0)) is node,
                 "node not reachable from its parent under its first page",
@@ -300,13 +303,13 @@ class RadixPrefixCache(BasePrefixCache):
         _require(evictable == self._evictable, f"evictable {self._evictable} != tree {evictable}")
         _require(protected == self._protected, f"protected {self._protected} != tree {protected}")
         _require(in_heap == len(self._heap), f"{len(self._heap)} heap entries, {in_heap} live")
-        slots = self.all_indices()
-        _require(torch.unique(slots).numel() == slots.numel(), "a slot is cached in two places")
-        if slots.numel():
-            starts = slots.view(-1, ps)[:, 0]
-            whole = starts.unsqueeze(1) + torch.arange(ps, dtype=torch.int32)
-            _require(bool((starts % ps == 0).all()), "a cached page does not start on a page")
-            _require(bool((slots.view(-1, ps) == whole).all()), "a cached page is not whole")
+        slots = self.all_indices().numpy()
+        _require(np.unique(slots).size == slots.size, "a slot is cached in two places")
+        if slots.size:
+            pages = slots.reshape(-1, ps)
+            _require(bool((pages[:, 0] % ps == 0).all()), "a cached page does not start on a page")
+            whole = pages[:, :1] + np.arange(ps, dtype=np.int32)
+            _require(bool((pages == whole).all()), "a cached page is not whole")
 
 
 def _require(cond: bool, message: str) -> None:
@@ -314,9 +317,13 @@ def _require(cond: bool, message: str) -> None:
         raise AssertionError(f"RadixPrefixCache: {message}")
 
 
-def _cat(values: list[torch.Tensor]) -> torch.Tensor:
+def _to_torch(values: list[np.ndarray]) -> torch.Tensor:
     if not values:
         return EMPTY_INDICES
-    if len(values) == 1:
-        return values[0]
-    return torch.cat(values)
+    return torch.from_numpy(np.concatenate(values))
+
+
+def _to_numpy(indices: Sequence[int] | torch.Tensor | np.ndarray) -> np.ndarray:
+    if isinstance(indices, torch.Tensor):
+        return indices.to(device="cpu", dtype=torch.int32).numpy()
+    return np.asarray(indices, dtype=np.int32)

@@ -7,6 +7,7 @@ from minisgl.layers.activation import SiluAndMul
 from minisgl.layers.attention import AttentionLayer
 from minisgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minisgl.layers.linear import (
+    LinearBase,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
@@ -16,6 +17,7 @@ from minisgl.layers.rotary import RotaryEmbedding
 
 __all__ = [
     "AttentionLayer",
+    "LinearBase",
     "MergedColumnParallelLinear",
     "ParallelLMHead",
     "QKVParallelLinear",

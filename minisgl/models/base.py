@@ -16,6 +16,7 @@ from torch import nn
 from minisgl.distributed import TPGroup
 from minisgl.layers import (
     AttentionLayer,
+    LinearBase,
     MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
@@ -152,6 +153,12 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    def pack_linears_for_cpu(self) -> None:
+        """Switch every TP linear layer to pre-packed oneDNN weights (after loading)."""
+        for module in self.modules():
+            if isinstance(module, LinearBase):
+                module.pack_for_cpu()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from minisgl.kvcache.base import BasePrefixCache, InsertResult, PrefixMatch
@@ -70,14 +71,15 @@ class CacheManager:
         self.max_seq_len = max_seq_len
         self.prefix_cache = prefix_cache
         self.page_table = torch.zeros((num_rows, max_seq_len), dtype=torch.int32)
-        self._free = torch.arange(num_pages - 1, -1, -1, dtype=torch.int32)
+        self._table = self.page_table.numpy()
+        self._free = np.arange(num_pages - 1, -1, -1, dtype=np.int32)
         self._num_free = num_pages
         self._private_pages = 0
         self._active = [False] * num_rows
         self._handle: list[object] = [None] * num_rows
         self._cached = [0] * num_rows
         self._device = [0] * num_rows
-        self._offsets = torch.arange(page_size, dtype=torch.int64)
+        self._offsets = np.arange(page_size, dtype=np.int64)
 
     # ---- queries -----------------------------------------------------------------------
     @property
@@ -136,7 +138,8 @@ class CacheManager:
         if match.cached_len > self.max_seq_len:
             raise ValueError(f"cached_len {match.cached_len} > max_seq_len {self.max_seq_len}")
         self.prefix_cache.lock_handle(match.handle)
-        self.page_table[row, : match.cached_len] = match.indices
+        if match.cached_len:
+            self._table[row, : match.cached_len] = match.indices.numpy()
         self._active[row] = True
         self._handle[row] = match.handle
         self._cached[row] = match.cached_len
@@ -152,46 +155,40 @@ class CacheManager:
         end = d + num_tokens
         if num_tokens < 0 or end > self.max_seq_len:
             raise ValueError(f"row {row}: cannot grow {d} by {num_tokens} (max {self.max_seq_len})")
-        ps = self.page_size
         if num_tokens == 1:
             return self._allocate_one(row, d)
+        ps = self.page_size
         boundary = -(-d // ps) * ps
         need = -(-end // ps) - boundary // ps
         if need > self._num_free and not self._reclaim(need - self._num_free):
             return None
-        parts: list[torch.Tensor] = []
+        parts: list[np.ndarray] = []
         lead = min(boundary, end) - d
         if lead > 0:
-            start = int(self.page_table[row, d - 1]) + 1
-            parts.append(torch.arange(start, start + lead, dtype=torch.int64))
+            start = int(self._table[row, d - 1]) + 1
+            parts.append(np.arange(start, start + lead, dtype=np.int64))
         if need:
-            pages = self._pop(need).to(torch.int64)
-            if ps == 1:
-                parts.append(pages)
-            else:
-                slots = (pages.unsqueeze(1) * ps + self._offsets).view(-1)
-                parts.append(slots[: end - boundary])
-        if not parts:
-            return torch.empty(0, dtype=torch.int64)
-        out = parts[0] if len(parts) == 1 else torch.cat(parts)
-        self.page_table[row, d:end] = out
+            pages = self._pop(need).astype(np.int64)
+            parts.append((pages[:, None] * ps + self._offsets).reshape(-1)[: end - boundary])
+        out = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+        self._table[row, d:end] = out
         self._device[row] = end
         self._private_pages += need
-        return out
+        return torch.from_numpy(out)
 
     def _allocate_one(self, row: int, d: int) -> torch.Tensor | None:
         ps = self.page_size
         if d % ps:
-            slot = int(self.page_table[row, d - 1]) + 1
+            slot = int(self._table[row, d - 1]) + 1
         else:
             if self._num_free == 0 and not self._reclaim(1):
                 return None
             self._num_free -= 1
             slot = int(self._free[self._num_free]) * ps
             self._private_pages += 1
-        self.page_table[row, d] = slot
+        self._table[row, d] = slot
         self._device[row] = d + 1
-        return torch.tensor([slot], dtype=torch.int64)
+        return torch.from_numpy(np.array([slot], dtype=np.int64))
 
     def cache_prefix(self, row: int, token_ids: Sequence[int]) -> int:
         """Insert the row's computed page-aligned prefix into the prefix cache while the row
@@ -226,9 +223,9 @@ class CacheManager:
     def evict(self, num_tokens: int) -> int:
         """Evict at least ``num_tokens`` from the prefix cache into the free pool (fewer if
         fewer are evictable). Returns the tokens freed."""
-        freed = self.prefix_cache.evict(num_tokens)
+        freed = self.prefix_cache.evict(num_tokens).numpy()
         self._push(freed[:: self.page_size] // self.page_size)
-        return freed.numel()
+        return freed.size
 
     # ---- internals ---------------------------------------------------------------------
     def _insert(self, row: int, token_ids: Sequence[int]) -> InsertResult:
@@ -238,27 +235,27 @@ class CacheManager:
         ps = self.page_size
         cached = self._cached[row]
         aligned = d - d % ps
-        res = self.prefix_cache.insert_prefix(token_ids[:aligned], self.page_table[row, :aligned])
+        res = self.prefix_cache.insert_prefix(token_ids[:aligned], self._table[row, :aligned])
         new_len = res.cached_len
         if new_len < cached:
             raise AssertionError(
                 f"row {row}: insert kept {new_len} tokens, less than the locked {cached}"
             )
-        dup = res.duplicates
-        if dup.numel():
-            if dup.numel() % ps:
-                raise AssertionError(f"row {row}: {dup.numel()} duplicate slots, not whole pages")
+        dup = res.duplicates.numpy()
+        if dup.size:
+            if dup.size % ps:
+                raise AssertionError(f"row {row}: {dup.size} duplicate slots, not whole pages")
             self._push(dup[::ps] // ps)
         if new_len > cached:
-            self.page_table[row, cached:new_len] = res.indices[cached:new_len]
+            pass
             self._private_pages -= (new_len - cached) // ps
         return res
 
     def _free_positions(self, row: int, start: int, end: int) -> None:
         if end > start:
-            pages = self.page_table[row, start : end : self.page_size] // self.page_size
+            pages = self._table[row, start : end : self.page_size] // self.page_size
             self._push(pages)
-            self._private_pages -= pages.numel()
+            self._private_pages -= pages.size
 
     def _reclaim(self, short_pages: int) -> bool:
         ps = self.page_size
@@ -267,13 +264,13 @@ class CacheManager:
         self.evict(short_pages * ps)
         return True
 
-    def _pop(self, k: int) -> torch.Tensor:
+    def _pop(self, k: int) -> np.ndarray:
         n = self._num_free
         self._num_free = n - k
         return self._free[n - k : n]
 
-    def _push(self, pages: torch.Tensor) -> None:
-        k = pages.numel()
+    def _push(self, pages: np.ndarray) -> None:
+        k = pages.size
         if not k:
             return
         n = self._num_free
@@ -287,6 +284,10 @@ class CacheManager:
             raise ValueError(f"row {row} is not admitted")
 
     # ---- invariant ---------------------------------------------------------------------
+    def free_pages(self) -> torch.Tensor:
+        """The free pool's page indices (a copy), for checks."""
+        return torch.from_numpy(self._free[: self._num_free].copy())
+
     def check_invariant(self) -> None:
         """Check that every page is in exactly one place and the counters agree.
 
@@ -301,34 +302,39 @@ class CacheManager:
         )
         self.prefix_cache.check_integrity()
         ps = self.page_size
-        tree = self.prefix_cache.all_indices().to(torch.int64)
-        _require(tree.numel() == s.evictable + s.protected, "prefix cache size != its slots")
+        tree = self.prefix_cache.all_indices().numpy().astype(np.int64)
+        _require(tree.size == s.evictable + s.protected, "prefix cache size != its slots")
         tree_pages = tree[::ps] // ps
-        in_tree = torch.zeros(self.num_pages, dtype=torch.bool)
+        _require(bool(((tree_pages >= 0) & (tree_pages < self.num_pages)).all()), "bad page")
+        in_tree = np.zeros(self.num_pages, dtype=bool)
         in_tree[tree_pages] = True
-        owned = [self._free[: self._num_free].to(torch.int64), tree_pages]
+        owned = [self._free[: self._num_free].astype(np.int64), tree_pages]
         private = 0
         for row in range(self.num_rows):
             if not self._active[row]:
                 continue
             c, d = self._cached[row], self._device[row]
-            slots = self.page_table[row, :d].to(torch.int64)
+            slots = self._table[row, :d].astype(np.int64)
             starts = slots[::ps]
             _require(bool((starts % ps == 0).all()), f"row {row}: a page starts off-page")
-            expected = (starts.unsqueeze(1) + self._offsets).view(-1)[:d]
+            _require(
+                bool(((starts >= 0) & (starts < self.num_pages * ps)).all()),
+                f"row {row}: slot out of range",
+            )
+            expected = (starts[:, None] + self._offsets).reshape(-1)[:d]
             _require(bool((slots == expected).all()), f"row {row}: slots not laid out by page")
             shared = starts[: c // ps] // ps
             _require(bool(in_tree[shared].all()), f"row {row}: cached prefix not in the cache")
             own = starts[c // ps :] // ps
             owned.append(own)
-            private += own.numel()
+            private += own.size
         _require(
             private == self._private_pages,
             f"rows hold {private} private pages, counter says {self._private_pages}",
         )
-        count = torch.bincount(torch.cat(owned), minlength=self.num_pages)
-        lost = (count == 0).nonzero().view(-1)[:8].tolist()
-        twice = (count > 1).nonzero().view(-1)[:8].tolist()
+        count = np.bincount(np.concatenate(owned), minlength=self.num_pages)
+        lost = np.flatnonzero(count == 0)[:8].tolist()
+        twice = np.flatnonzero(count > 1)[:8].tolist()
         _require(not lost and not twice, f"pages lost {lost}, pages in two places {twice}")
 
 

@@ -95,6 +95,7 @@ def _raise_interrupt(signum: int, frame: object) -> None:
 class Launcher:
     def __init__(self, args: ServerArgs) -> None:
         self.args = args
+        self.log_level = "warning" if args.shell and args.log_level == "info" else args.log_level
         self.children: list[Child] = []
         self.paths: IpcPaths | None = None
         self.exit_code = 0
@@ -108,7 +109,7 @@ class Launcher:
         parent_conn, child_conn = ctx.Pipe(duplex=True)
         proc = ctx.Process(
             target=child_main,
-            args=(name, child_conn, os.getpid(), self.args.log_level, target, *args),
+            args=(name, child_conn, os.getpid(), self.log_level, target, *args),
             name=f"minisgl-{name}",
             daemon=True,
         )
@@ -361,7 +362,8 @@ def make_uvicorn_server(config: Any, on_signal: Any) -> Any:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m minisgl``; returns the process exit code."""
     args = parse_args(argv)
-    configure_logging(args.log_level if not args.shell else "warning", "launcher")
-    code = Launcher(args).run()
+    launcher = Launcher(args)
+    configure_logging(launcher.log_level, "launcher")
+    code = launcher.run()
     sys.stdout.flush()
     return code

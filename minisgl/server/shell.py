@@ -19,6 +19,7 @@ from minisgl.server.backend import Backend
 from minisgl.server.errors import ApiError
 from minisgl.server.serving import Generation
 
+MAX_REPLY_TOKENS = 512
 HELP = "/reset clears the conversation, /exit quits, Ctrl-C stops a reply."
 
 
@@ -45,7 +46,7 @@ class Shell:
         self.out = out or sys.stdout
         self.history: list[dict[str, str]] = []
         self.current: Generation | None = None
-        self.params = SamplingParams(temperature=0.7, top_p=0.9)
+        self.params = SamplingParams(temperature=0.2, top_p=0.9, max_tokens=MAX_REPLY_TOKENS)
         self.quit = asyncio.Event()
 
     def interrupt(self) -> None:
@@ -63,7 +64,6 @@ class Shell:
             rids=gen.rids_of(0),
             params=[SamplingParams(**self.params.__dict__)],
             messages=list(self.history),
-            fill_max_tokens=True,
         )
         self.current = gen
         parts: list[str] = []

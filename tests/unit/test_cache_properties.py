@@ -96,7 +96,9 @@ class CacheMachine(RuleBasedStateMachine):
         expect = self._expected_match(query)
         assert match.cached_len == expect
         want = [
-            self.cached[tuple(query[: k + ps])] * ps + j for k in range(0, expect, ps) for j in range(ps)
+            self.cached[tuple(query[: k + ps])] * ps + j
+            for k in range(0, expect, ps)
+            for j in range(ps)
         ]
         assert match.indices.tolist() == want
         for p, slot in enumerate(want):
@@ -170,7 +172,11 @@ class CacheMachine(RuleBasedStateMachine):
         self._observe_cache(may_evict=False)
 
     @precondition(lambda self: self.rows)
-    @rule(pick=st.integers(0, 99), n=st.integers(1, 40), extra=st.lists(st.integers(0, 2), max_size=40))
+    @rule(
+        pick=st.integers(0, 99),
+        n=st.integers(1, 40),
+        extra=st.lists(st.integers(0, 2), max_size=40),
+    )
     def allocate(self, pick: int, n: int, extra: list[int]) -> None:
         ps = self.page_size
         row = sorted(self.rows)[pick % len(self.rows)]
@@ -265,7 +271,7 @@ class CacheMachine(RuleBasedStateMachine):
     @invariant()
     def every_page_in_one_place(self) -> None:
         ps = self.page_size
-        places: list[int] = self.cm._free[: self.cm.num_free_pages].tolist()
+        places: list[int] = self.cm.free_pages().tolist()
         places += [s // ps for s in self.cm.prefix_cache.all_indices().tolist()[::ps]]
         for row, model in self.rows.items():
             slots = self.cm.page_table[row, : self.cm.device_len(row)].tolist()
@@ -273,28 +279,24 @@ class CacheMachine(RuleBasedStateMachine):
         assert sorted(places) == list(range(self.num_pages))
 
 
-def machine(cache: str, page_size: int) -> type[CacheMachine]:
-    return type(
+def machine(cache: str, page_size: int, examples: int = 30) -> type[CacheMachine]:
+    cls = type(
         f"CacheMachine_{cache}_{page_size}",
         (CacheMachine,),
         {"cache_name": cache, "page_size": page_size},
     )
+    cls.TestCase.settings = settings(
+        max_examples=examples,
+        stateful_step_count=40,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    return cls
 
-
-SETTINGS = settings(
-    max_examples=40,
-    stateful_step_count=40,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
 
 TestRadixPage1 = machine("radix", 1).TestCase
-TestRadixPage1.settings = SETTINGS
 TestRadixPage4 = machine("radix", 4).TestCase
-TestRadixPage4.settings = SETTINGS
 TestRadixPage16 = machine("radix", 16).TestCase
-TestRadixPage16.settings = SETTINGS
-TestNaivePage1 = machine("naive", 1).TestCase
-TestNaivePage1.settings = SETTINGS
-TestNaivePage4 = machine("naive", 4).TestCase
-TestNaivePage4.settings = SETTINGS
+TestRadixPage64 = machine("radix", 64, examples=10).TestCase
+TestNaivePage1 = machine("naive", 1, examples=20).TestCase
+TestNaivePage16 = machine("naive", 16, examples=20).TestCase

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -265,10 +266,10 @@ def test_check_integrity_detects_corruption() -> None:
         cache.check_integrity()
     cache._evictable -= 1
     leaf = cache._root.children[1].children[4]
-    leaf.value = torch.tensor([3], dtype=torch.int32)
+    leaf.value = np.array([3], dtype=np.int32)
     with pytest.raises(AssertionError, match="two places"):
         cache.check_integrity()
-    leaf.value = torch.tensor([5], dtype=torch.int32)
+    leaf.value = np.array([5], dtype=np.int32)
     leaf.ref = 1
     with pytest.raises(AssertionError):
         cache.check_integrity()

@@ -80,7 +80,8 @@ def ref_distribution(z: list[float], p: SamplingParams) -> list[float]:
                 break
         keep = cut
     if p.min_p > 0.0:
-        keep = [t for t in keep if prob[t] >= p.min_p * max(prob)]
+        floor = p.min_p * max(prob)
+        keep = [t for t in keep if prob[t] >= floor]
     mass = sum(prob[t] for t in keep)
     kept = set(keep)
     return [prob[t] / mass if t in kept else 0.0 for t in range(len(z))]
@@ -222,6 +223,7 @@ DISTRIBUTIONS = [
     {"temperature": 1.0, "top_p": 0.8},
     {"temperature": 1.5, "top_p": 0.6},
     {"temperature": 1.0, "top_k": 3},
+    {"temperature": 1.0, "top_k": 3, "top_p": 0.8},
     {"temperature": 1.0, "min_p": 0.2},
     {"temperature": 0.8, "top_k": 5, "top_p": 0.7, "min_p": 0.1},
 ]
@@ -424,6 +426,14 @@ def test_logits_restored_after_in_place_penalties() -> None:
     assert out.next_token_ids[0] == max(range(vocab), key=lambda t: expected[t])
     assert out.next_token_ids[1] not in (0, 9)
     assert out.next_token_ids[2] != int(logits[2, :vocab].argmax())
+
+
+def test_inference_mode_logits_accepted_outside_inference_mode() -> None:
+    with torch.inference_mode():
+        logits = torch.randn(2, 128)
+    infos = [info(temperature=0.0, presence_penalty=1.0, output=[3]), info(seed=1)]
+    out = Sampler(128, torch.device("cpu")).sample(logits, infos)
+    assert all(0 <= t < 128 for t in out.next_token_ids)
 
 
 def test_min_p_keeps_exactly_tokens_above_fraction_of_max() -> None:
