@@ -1,10 +1,11 @@
 """Engine speed: decode steps at several batch sizes and one long prefill, vs transformers.
 
     python scripts/bench_engine.py [--model PATH] [--batches 1,16,32] [--context 384]
+        [--dtypes float32,bfloat16] [--pack on|off|both] [--page-size 16]
 
 Decode batches read ``--context`` cached tokens per request (the KV pool is filled with
 random values; slot numbers are shuffled pages, as after cache churn). transformers runs
-the same weights with its own KV cache (``model(input_ids=next, past_key_values=cache)``).
+the same weights in float32 with its own KV cache (``model(input_ids=next, cache=...)``).
 Reported times are medians over ``--steps`` timed steps after warm-up.
 """
 
@@ -22,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+from minisgl.engine import engine as engine_module
 from minisgl.engine.batch import Batch, SampleInfo
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.engine import Engine
@@ -99,7 +101,9 @@ def bench_prefill(engine: Engine, length: int, repeats: int) -> float:
 def hf_model(engine: Engine):
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(engine.model_path, dtype=engine.dtype)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        engine.model_path, dtype=torch.float32
+    )
     return model.eval()
 
 
@@ -136,27 +140,14 @@ def hf_prefill(model, length: int, repeats: int) -> float:
     return _median_ms(lambda: model(input_ids=ids, use_cache=True), repeats, warmup=1)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--attn", default="auto")
-    parser.add_argument("--page-size", type=int, default=1)
-    parser.add_argument("--batches", default="1,16,32")
-    parser.add_argument("--context", type=int, default=384)
-    parser.add_argument("--prefill", type=int, default=512)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
-    parser.add_argument("--threads", type=int, default=None)
-    args = parser.parse_args()
-
+def bench_engine(args, dtype: str, pack: bool) -> tuple[Engine, list[tuple[str, float, int]]]:
     batches = [int(b) for b in args.batches.split(",")]
     tokens = max(batches) * (args.context + args.steps + 8) + args.prefill + 64
+    engine_module.CPU_PACKED_LINEARS = pack
     engine = Engine(
         EngineConfig(
             model=args.model,
-            dtype=args.dtype,
+            dtype=dtype,
             device=args.device,
             attn=args.attn,
             page_size=args.page_size,
@@ -168,26 +159,78 @@ def main() -> None:
     for layer in range(engine.model_config.num_layers):
         engine.kv_cache.k_cache(layer).normal_(0, 0.1)
         engine.kv_cache.v_cache(layer).normal_()
-    print(
-        f"model {engine.model_path.name} ({engine.model_config.architecture}), "
-        f"dtype {engine.dtype}, device {engine.device}, attn {engine.attn_name}, "
-        f"page_size {engine.page_size}, threads {torch.get_num_threads()}"
-    )
-    hf = None if args.no_hf else hf_model(engine)
     rows = []
     for b in batches:
-        ours = bench_decode(engine, b, args.context, args.steps)
-        theirs = hf_decode(hf, b, args.context, args.steps) if hf is not None else None
-        rows.append((f"decode  batch {b:>3} ctx {args.context}", ours, theirs, b))
-    ours = bench_prefill(engine, args.prefill, max(2, args.steps // 4))
-    theirs = hf_prefill(hf, args.prefill, max(2, args.steps // 4)) if hf is not None else None
-    rows.append((f"prefill 1 x {args.prefill} tokens", ours, theirs, args.prefill))
+        rows.append(
+            (
+                f"decode  batch {b:>3} ctx {args.context}",
+                bench_decode(engine, b, args.context, args.steps),
+                b,
+            )
+        )
+    repeats = max(2, args.steps // 4)
+    rows.append(
+        (
+            f"prefill 1 x {args.prefill} tokens",
+            bench_prefill(engine, args.prefill, repeats),
+            args.prefill,
+        )
+    )
+    return engine, rows
 
-    print(f"{'case':<30} {'minisgl ms':>11} {'tok/s':>8} {'transformers ms':>16} {'speedup':>8}")
-    for name, ours, theirs, n in rows:
-        hf_col = f"{theirs:16.1f}" if theirs is not None else f"{'-':>16}"
-        speed = f"{theirs / ours:7.2f}x" if theirs is not None else f"{'-':>8}"
-        print(f"{name:<30} {ours:11.1f} {n / ours * 1e3:8.0f} {hf_col} {speed}")
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--dtypes", default="float32", help="comma-separated engine dtypes")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--attn", default="auto")
+    parser.add_argument("--page-size", type=int, default=1)
+    parser.add_argument("--batches", default="1,16,32")
+    parser.add_argument("--context", type=int, default=384)
+    parser.add_argument("--prefill", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument(
+        "--pack",
+        default="on",
+        choices=["on", "off", "both"],
+        help="CPU: oneDNN pre-packed linear weights",
+    )
+    parser.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+
+    packs = {"on": [True], "off": [False], "both": [True, False]}[args.pack]
+    results = []
+    engine = None
+    for dtype in args.dtypes.split(","):
+        for pack in packs:
+            engine, rows = bench_engine(args, dtype, pack)
+            kind = "" if engine.device.type != "cpu" else (" packed" if pack else " F.linear")
+            label = dtype + kind
+            results.append((label, rows))
+            print(f"done: {label}", flush=True)
+    assert engine is not None
+    print(
+        f"model {engine.model_path.name} ({engine.model_config.architecture}), "
+        f"device {engine.device}, attn {engine.attn_name}, page_size {engine.page_size}, "
+        f"threads {torch.get_num_threads()}"
+    )
+    hf_rows = None
+    if not args.no_hf:
+        hf = hf_model(engine)
+        hf_rows = [hf_decode(hf, int(b), args.context, args.steps) for b in args.batches.split(",")]
+        hf_rows.append(hf_prefill(hf, args.prefill, max(2, args.steps // 4)))
+    head = f"{'case':<30} {'engine':<18} {'ms':>8} {'tok/s':>8}"
+    if hf_rows is not None:
+        head += f" {'transformers ms':>16} {'speedup':>8}"
+    print(head)
+    for label, rows in results:
+        for i, (name, ms, n) in enumerate(rows):
+            line = f"{name:<30} {label:<18} {ms:8.1f} {n / ms * 1e3:8.0f}"
+            if hf_rows is not None:
+                line += f" {hf_rows[i]:16.1f} {hf_rows[i] / ms:7.2f}x"
+            print(line)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,8 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_KV_MEMORY_GB = 4.0
 CPU_PACKED_LINEARS = True
-"""float32 on CPU: run linear layers through oneDNN on pre-packed weights (see bench)."""
+"""On CPU, run linear layers through oneDNN on pre-packed weights (faster than F.linear at
+batch sizes 4-64; see scripts/bench_engine.py --no-pack)."""
 MAX_POOL_SEQS = 64
 """The pool never holds more than this many ``max_seq_len`` sequences' worth of tokens."""
 
@@ -119,7 +120,12 @@ class Engine:
         with torch.device(self.device), _default_dtype(self.dtype):
             model = model_cls(self.model_config, self.tp, self.max_seq_len)
         model.load_weights(iter_safetensors(self.model_path))
-        if self.device.type == "cpu" and self.dtype == torch.float32 and CPU_PACKED_LINEARS:
+        if (
+            CPU_PACKED_LINEARS
+            and self.device.type == "cpu"
+            and self.dtype in (torch.float32, torch.bfloat16)
+            and torch.backends.mkldnn.is_available()
+        ):
             model.pack_linears_for_cpu()
         return model.eval()
 

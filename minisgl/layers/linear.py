@@ -30,6 +30,8 @@ def _divide(n: int, d: int, what: str) -> int:
 
 
 class LinearBase(nn.Module):
+    """A linear layer holding this rank's shard; subclasses define how it is sharded."""
+
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
         super().__init__()
         self.tp = tp
@@ -42,7 +44,6 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.bias = None
-
         self.packed: torch.Tensor | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:

@@ -247,7 +247,7 @@ class CacheManager:
                 raise AssertionError(f"row {row}: {dup.size} duplicate slots, not whole pages")
             self._push(dup[::ps] // ps)
         if new_len > cached:
-            pass
+            self._table[row, cached:new_len] = res.indices.numpy()[cached:new_len]
             self._private_pages -= (new_len - cached) // ps
         return res
 

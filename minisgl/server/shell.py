@@ -46,7 +46,7 @@ class Shell:
         self.out = out or sys.stdout
         self.history: list[dict[str, str]] = []
         self.current: Generation | None = None
-        self.params = SamplingParams(temperature=0.2, top_p=0.9, max_tokens=MAX_REPLY_TOKENS)
+        self.params = SamplingParams(temperature=0.0, max_tokens=MAX_REPLY_TOKENS)
         self.quit = asyncio.Event()
 
     def interrupt(self) -> None:

@@ -103,3 +103,38 @@ def test_hybrid_flashinfer_prefill_torch_decode():
         got = hybrid.forward(q, 1, pool, hybrid.prepare(batch)).reshape(q.shape)
         want = ref.forward(q, 1, pool, ref.prepare(batch)).reshape(q.shape)
         torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_engine_flashinfer_matches_torch_backend(tmp_path):
+    """A tiny Llama on CUDA: logits with attn=flashinfer equal attn=torch (bf16 tolerance)."""
+    import transformers
+
+    from minisgl.engine.config import EngineConfig
+    from minisgl.engine.engine import Engine
+    from tests.integration.test_models_vs_hf import COMMON, SlotAllocator, _randomize, make_batch
+
+    config = transformers.LlamaConfig(**{**COMMON, "head_dim": 64, "hidden_size": 256})
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _randomize(model, seed=0)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    prompts = [[(7 * i + j) % 300 for j in range(n)] for i, n in enumerate((5, 40, 17))]
+    results = []
+    for attn in ("flashinfer", "torch"):
+        engine = Engine(
+            EngineConfig(
+                model=str(tmp_path),
+                device="cuda",
+                dtype="bfloat16",
+                attn=attn,
+                page_size=16,
+                num_pages=64,
+                max_seq_len=128,
+            )
+        )
+        alloc = SlotAllocator(engine.num_pages, 16, rows=3, seed=1)
+        out = [engine.forward_logits(make_batch(alloc, [0, 1, 2], prompts), all_positions=True)]
+        for step in range(4):
+            batch = make_batch(alloc, [0, 1, 2], [[step], [step + 1], [step + 2]])
+            out.append(engine.forward_logits(batch))
+        results.append(torch.cat(out))
+    torch.testing.assert_close(results[0], results[1], atol=5e-2, rtol=5e-2)

@@ -15,10 +15,11 @@ import pytest
 import torch
 import transformers
 
-from minisgl.engine.batch import Batch
+from minisgl.engine.batch import Batch, SampleInfo
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.engine import Engine
 from minisgl.models.loader import ModelLoadError
+from minisgl.sampling_params import SamplingParams
 
 ATOL = 1e-4
 RTOL = 1e-4
@@ -208,6 +209,21 @@ def test_mixed_prefill_and_decode_batch(tiny_model):
     got = engine.forward_logits(batch, all_positions=True)
     want = torch.cat([refs[0][-1:], refs[1][5:], refs[2]])
     torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+
+
+def test_forward_samples_only_requests_with_sample_info(tiny_model):
+    """Greedy ``forward``: one token per request that samples (a non-final prefill chunk
+    samples nothing), equal to the argmax of transformers' logits."""
+    name, path, model = tiny_model
+    engine = _engine(path, page_size=4)
+    prompts = _prompts(4)
+    alloc = SlotAllocator(engine.num_pages, 4, rows=3, seed=4)
+    batch = make_batch(alloc, [0, 1, 2], [prompts[0], prompts[1][:10], prompts[2]])
+    greedy = SamplingParams(temperature=0.0)
+    batch.sample = [SampleInfo(greedy, prompts[0], []), None, SampleInfo(greedy, prompts[2], [])]
+    out = engine.forward(batch)
+    want = [int(hf_logits(model, p)[-1].argmax()) for p in (prompts[0], prompts[2])]
+    assert out.next_token_ids == want
 
 
 def test_unsupported_architecture_is_a_clear_error(tmp_path):

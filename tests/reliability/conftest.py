@@ -1,24 +1,29 @@
-"""Real ``python -m minisgl`` servers for the reliability suite, and the suite's counters.
+"""Real ``python -m minisgl`` servers for the reliability suite, and its end-of-run summary.
 
-Every server is a subprocess in its own session (process group) on a port it picked itself
-(``--port 0``; the port is read from its "ready" log line). Servers are launched together as
-soon as the session starts (model loading overlaps), then each fixture waits for ``/health``.
-Teardown sends SIGTERM, then SIGKILL to the whole group, and fails if any process of the
-group survives.
+Every server is a subprocess leading its own session (process group), on a port it picked
+itself (``--port 0``; the port is read from its "ready" log line). The shared servers, and
+the first per-test fault server, are launched together when the first test needs a server,
+so model loading overlaps; each fixture then waits for ``/health``. Teardown sends SIGTERM,
+then SIGKILL to the whole group, and fails if any process of the group outlived SIGTERM.
 
 Server kinds:
 
-``main``      radix cache, API key, 64 KiB body limit, small context and chunked prefill;
-              shared by the input, streaming, disconnect and burst modules.
-``pressure``  a deliberately small KV pool and an in-flight cap, for exhaustion,
-              never-fitting prompts and the full queue.
-``fault``     one fresh server per fault test (SIGKILL, SIGTERM), prelaunched in parallel.
+``main``      radix cache, API key, 64 KiB body limit, 1024-token context, 256-token prefill
+              chunks; shared by the input, streaming, disconnect and burst modules.
+``pressure``  a deliberately small KV pool (640 tokens) and an in-flight cap (64 running +
+              8 queued), for exhaustion, never-fitting prompts and the full queue.
+``fault``     a fresh server per fault test (SIGKILL, SIGTERM); the next one is launched
+              while the current test runs when memory allows.
+
+Servers run with ``OMP_WAIT_POLICY=PASSIVE`` (unless set): on a shared, oversubscribed
+machine spinning OpenMP threads make a CPU decode step several times slower. All run with
+``--debug-invariant``; a shared server whose log shows a broken invariant, a
+critical message or a traceback fails the run at teardown.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import signal
@@ -34,19 +39,22 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.reliability.support import STATS, http_client
+
 REPO = Path(__file__).resolve().parents[2]
-MODEL = "smollm2-135m"
 API_KEY = "reliability-key"
 STARTUP_TIMEOUT_S = 240.0
 STOP_TIMEOUT_S = 20.0
+PRELAUNCH_MIN_FREE_BYTES = 3 << 30
 
 MAIN_MAX_SEQ_LEN = 1024
 MAIN_MAX_BODY = 64 * 1024
 MAIN_MAX_RUNNING = 64
+MAIN_PREFILL_CHUNK = 256
 PRESSURE_PAGES = 640
 PRESSURE_MAX_RUNNING = 64
 PRESSURE_MAX_QUEUED = 8
-PRESSURE_MAX_SEQ_LEN = 2048
+FAULT_MAX_SEQ_LEN = 512
 
 SERVER_ARGS: dict[str, tuple[str, ...]] = {
     "main": (
@@ -59,7 +67,7 @@ SERVER_ARGS: dict[str, tuple[str, ...]] = {
         "--max-running-requests",
         str(MAIN_MAX_RUNNING),
         "--max-prefill-length",
-        "256",
+        str(MAIN_PREFILL_CHUNK),
         "--num-pages",
         "16384",
         "--debug-invariant",
@@ -68,99 +76,53 @@ SERVER_ARGS: dict[str, tuple[str, ...]] = {
         "--num-pages",
         str(PRESSURE_PAGES),
         "--max-seq-len",
-        str(PRESSURE_MAX_SEQ_LEN),
+        "2048",
         "--max-running-requests",
         str(PRESSURE_MAX_RUNNING),
         "--max-queued-requests",
         str(PRESSURE_MAX_QUEUED),
         "--debug-invariant",
     ),
-    "fault": ("--num-pages", "2048", "--max-seq-len", "512", "--debug-invariant"),
+    "fault": ("--num-pages", "2048", "--max-seq-len", str(FAULT_MAX_SEQ_LEN), "--debug-invariant"),
 }
 FIXTURE_KIND = {"main_server": "main", "pressure_server": "pressure", "fault_server": "fault"}
 
 
-# ---- counters ------------------------------------------------------------------------------
-
-
-@dataclass
-class SuiteStats:
-    """What the suite did, printed at the end of the run."""
-
-    requests: int = 0
-    outcomes: Counter = field(default_factory=Counter)
-    disconnect_to_free_s: list[float] = field(default_factory=list)
-    notes: dict[str, object] = field(default_factory=dict)
-
-    def p99_ms(self) -> float | None:
-        xs = sorted(self.disconnect_to_free_s)
-        if not xs:
-            return None
-        return 1000 * xs[min(len(xs) - 1, math.ceil(0.99 * len(xs)) - 1)]
-
-
-STATS = SuiteStats()
-
-
-def _count_request(request: httpx.Request) -> None:
-    STATS.requests += 1
-
-
-async def _acount_request(request: httpx.Request) -> None:
-    STATS.requests += 1
-
-
-def http_client(timeout: float = 60.0, **kwargs) -> httpx.Client:
-    """A counted synchronous client (use for every request of the suite)."""
-    return httpx.Client(timeout=timeout, event_hooks={"request": [_count_request]}, **kwargs)
-
-
-def async_client(timeout: float = 60.0, **kwargs) -> httpx.AsyncClient:
-    """A counted asyncio client without a connection cap."""
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    return httpx.AsyncClient(
-        timeout=timeout, limits=limits, event_hooks={"request": [_acount_request]}, **kwargs
-    )
+# ---- summary -------------------------------------------------------------------------------
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if "tests/reliability/" not in report.nodeid.replace("\\", "/"):
+        return
     if report.when == "call":
         STATS.outcomes[report.outcome] += 1
     elif report.outcome == "failed":
         STATS.outcomes["error"] += 1
-    elif report.when == "setup" and report.outcome == "skipped":
+    elif report.outcome == "skipped":
         STATS.outcomes["skipped"] += 1
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
-    if not STATS.outcomes:
-        return
     o = STATS.outcomes
+    if not o:
+        return
     tried = o["passed"] + o["failed"]
     p99 = STATS.p99_ms()
-    lines = [
-        f"cases tried: {tried}",
-        f"requests sent: {STATS.requests}",
-        f"failures: {o['failed'] + o['error']}",
-        f"skipped: {o['skipped']}",
-        f"disconnect -> KV free samples: {len(STATS.disconnect_to_free_s)}",
-        "p99 disconnect -> KV free: " + ("n/a" if p99 is None else f"{p99:.0f} ms"),
-    ]
-    lines += [f"{k}: {v}" for k, v in STATS.notes.items()]
+    report = {
+        "cases tried": tried,
+        "requests sent": STATS.requests,
+        "failures": o["failed"] + o["error"],
+        "skipped": o["skipped"],
+        "disconnect -> KV free samples": len(STATS.disconnect_to_free_s),
+        "p99 disconnect -> KV free (ms)": None if p99 is None else round(p99, 1),
+        **STATS.notes,
+    }
     terminalreporter.write_sep("-", "minisgl reliability")
-    for line in lines:
-        terminalreporter.write_line(line)
+    for k, v in report.items():
+        terminalreporter.write_line(f"{k}: {v}")
     out = os.environ.get("MINISGL_RELIABILITY_REPORT")
     if out:
-        data = {
-            "cases_tried": tried,
-            "requests_sent": STATS.requests,
-            "failures": o["failed"] + o["error"],
-            "disconnect_samples": len(STATS.disconnect_to_free_s),
-            "p99_disconnect_to_free_ms": p99,
-            **{k: v for k, v in STATS.notes.items()},
-        }
-        Path(out).write_text(json.dumps(data, indent=2))
+        Path(out).write_text(json.dumps(report, indent=2, default=str))
 
 
 # ---- processes -----------------------------------------------------------------------------
@@ -184,12 +146,23 @@ def process_group(pgid: int) -> dict[int, str]:
 
 
 def wait_group_gone(pgid: int, timeout: float) -> dict[int, str]:
+    """Wait until no process of the group lives; return the survivors at the deadline."""
     deadline = time.monotonic() + timeout
     while True:
         left = process_group(pgid)
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.05)
+
+
+def mem_available() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 @dataclass
@@ -219,7 +192,8 @@ class Server:
             return ""
 
     def workers(self) -> dict[int, str]:
-        return {p: c for p, c in process_group(self.proc.pid).items() if p != self.proc.pid}
+        """The launcher's children (scheduler, tokenizer, detokenizer) by kernel name."""
+        return {p: c for p, c in process_group(self.proc.pid).items() if c.startswith("minisgl-")}
 
     def worker_pid(self, name: str) -> int:
         (pid,) = [p for p, comm in self.workers().items() if comm == name]
@@ -230,7 +204,8 @@ class Server:
         with http_client(timeout=2.0) as http:
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
-                    pytest.fail(f"{self.kind} server exited with {self.proc.returncode}:\n{self.log()}")
+                    code = self.proc.returncode
+                    pytest.fail(f"{self.kind} server exited with {code}:\n{self.log()}")
                 if self.port is None:
                     m = re.search(r"ready in [\d.]+s: serving .* at http://[^:]+:(\d+)", self.log())
                     if m:
@@ -247,8 +222,10 @@ class Server:
         pytest.fail(f"{self.kind} server not healthy after {STARTUP_TIMEOUT_S}s:\n{self.log()}")
 
     def stop(self) -> dict[int, str]:
-        """SIGTERM, then SIGKILL to the whole group; returns processes that had to be killed
-        after the grace period (ideally none)."""
+        """SIGTERM the launcher, then SIGKILL whatever of its group is left.
+
+        Returns the processes that were still alive after SIGTERM and the grace period.
+        """
         pgid = self.proc.pid
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -270,10 +247,10 @@ class Server:
 def launch(kind: str) -> Server:
     log_fd, log_name = tempfile.mkstemp(prefix=f"minisgl-rel-{kind}-", suffix=".log")
     env = {k: v for k, v in os.environ.items() if k != "MINISGL_API_KEY"}
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     args = SERVER_ARGS[kind]
-    cmd = [sys.executable, "-m", "minisgl", "--port", "0", *args]
     proc = subprocess.Popen(
-        cmd,
+        [sys.executable, "-m", "minisgl", "--port", "0", *args],
         cwd=REPO,
         env=env,
         stdin=subprocess.DEVNULL,
@@ -287,64 +264,66 @@ def launch(kind: str) -> Server:
 
 
 class ServerFarm:
-    """Servers launched up front, handed out by kind."""
+    """Servers launched ahead of need and handed out by kind."""
 
-    def __init__(self) -> None:
+    def __init__(self, fault_needed: int) -> None:
         self.idle: dict[str, list[Server]] = {}
         self.all: list[Server] = []
+        self.fault_needed = fault_needed
 
-    def prelaunch(self, kind: str, count: int = 1) -> None:
-        for _ in range(count):
-            srv = launch(kind)
-            self.idle.setdefault(kind, []).append(srv)
-            self.all.append(srv)
+    def prelaunch(self, kind: str) -> None:
+        srv = launch(kind)
+        self.idle.setdefault(kind, []).append(srv)
+        self.all.append(srv)
 
     def take(self, kind: str) -> Server:
         if not self.idle.get(kind):
             self.prelaunch(kind)
-        return self.idle[kind].pop(0).wait_ready()
+        srv = self.idle[kind].pop(0)
+        if kind == "fault":
+            self.fault_needed -= 1
+            if self.fault_needed > 0 and mem_available() >= PRELAUNCH_MIN_FREE_BYTES:
+                self.prelaunch("fault")
+        return srv.wait_ready()
 
     def stop_all(self) -> None:
+        keep = STATS.outcomes["failed"] + STATS.outcomes["error"] > 0
         for srv in self.all:
             srv.stop()
-            srv.log_path.unlink(missing_ok=True)
+            if keep:
+                STATS.notes[f"log of {srv.kind} server {srv.proc.pid}"] = str(srv.log_path)
+            else:
+                srv.log_path.unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="session")
 def farm(request: pytest.FixtureRequest) -> Iterator[ServerFarm]:
-    needed: Counter = Counter()
-    shared: set[str] = set()
+    kinds: Counter = Counter()
     for item in request.session.items:
         for name in getattr(item, "fixturenames", ()):
-            kind = FIXTURE_KIND.get(name)
-            if kind == "fault":
-                needed[kind] += 1
-            elif kind is not None:
-                shared.add(kind)
-    f = ServerFarm()
+            if name in FIXTURE_KIND:
+                kinds[FIXTURE_KIND[name]] += 1
+    f = ServerFarm(kinds["fault"])
     for kind in ("main", "pressure", "fault"):
-        count = needed[kind] if kind == "fault" else int(kind in shared)
-        if count:
-            f.prelaunch(kind, count)
+        if kinds[kind]:
+            f.prelaunch(kind)
     try:
         yield f
     finally:
         f.stop_all()
 
 
-def _check_log_clean(srv: Server) -> None:
-    log = srv.log()
-    bad = [
+def problems_in_log(text: str) -> list[str]:
+    return [
         line
-        for line in log.splitlines()
+        for line in text.splitlines()
         if "CRITICAL" in line or "invariant" in line.lower() or "Traceback" in line
     ]
-    assert not bad, f"{srv.kind} server logged problems:\n" + "\n".join(bad[:20])
 
 
 def _shared(farm: ServerFarm, kind: str) -> Iterator[Server]:
     srv = farm.take(kind)
-    STATS.notes[f"{kind} server startup"] = f"{srv.startup_s:.1f} s"
+    STATS.notes[f"{kind} server startup (s)"] = round(srv.startup_s, 1)
     try:
         yield srv
     finally:
@@ -352,7 +331,8 @@ def _shared(farm: ServerFarm, kind: str) -> Iterator[Server]:
         text = srv.log()
         assert not left, f"{kind} server left processes after SIGTERM: {left}\n{text[-4000:]}"
         assert srv.proc.returncode == 0, f"{kind} exited {srv.proc.returncode}:\n{text[-4000:]}"
-        _check_log_clean(srv)
+        bad = problems_in_log(text)
+        assert not bad, f"{kind} server logged problems:\n" + "\n".join(bad[:20])
 
 
 @pytest.fixture(scope="session")
@@ -380,58 +360,3 @@ def tokenizer():
     from minisgl.tokenizer import load_tokenizer
 
     return load_tokenizer(resolve_model_path(None))
-
-
-# ---- helpers used by several modules --------------------------------------------------------
-
-
-def read_metrics(http: httpx.Client, srv: Server) -> dict[str, float]:
-    text = http.get(f"{srv.url}/metrics").text
-    values: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            values[name] = float(value)
-    return values
-
-
-def is_idle(m: dict[str, float]) -> bool:
-    """Nothing queued, running or in flight, no radix lock held, every KV token free or
-    evictable (the cache invariant at idle)."""
-    return (
-        m["minisgl_num_running_requests"] == 0
-        and m["minisgl_num_queued_requests"] == 0
-        and m["minisgl_num_inflight_requests"] == 0
-        and m["minisgl_kv_protected_tokens"] == 0
-        and m["minisgl_kv_private_tokens"] == 0
-        and m["minisgl_kv_free_tokens"] + m["minisgl_kv_evictable_tokens"]
-        == m["minisgl_kv_total_tokens"]
-        and m["minisgl_kv_total_tokens"] > 0
-    )
-
-
-def wait_idle(srv: Server, timeout: float = 30.0, poll_s: float = 0.02) -> dict[str, float]:
-    """Poll /metrics until :func:`is_idle`; fail with the last snapshot at the deadline."""
-    deadline = time.monotonic() + timeout
-    with http_client(timeout=5.0) as http:
-        while True:
-            m = read_metrics(http, srv)
-            if is_idle(m):
-                return m
-            if time.monotonic() > deadline:
-                gauges = {k: v for k, v in m.items() if "bucket" not in k}
-                pytest.fail(f"server not idle after {timeout}s: {gauges}")
-            time.sleep(poll_s)
-
-
-def finished_total(m: dict[str, float]) -> float:
-    return sum(v for k, v in m.items() if k.startswith("minisgl_requests_total{"))
-
-
-def sse_events(lines) -> Iterator[dict | str]:
-    """Parsed ``data:`` payloads of an SSE line iterator (``"[DONE]"`` stays a string)."""
-    for line in lines:
-        if not line.startswith("data: "):
-            continue
-        data = line[len("data: ") :]
-        yield data if data == "[DONE]" else json.loads(data)

@@ -418,3 +418,28 @@ async def test_metrics_text() -> None:
     assert "minisgl_time_to_first_token_seconds_count 2" in text
     assert "minisgl_time_per_output_token_seconds_count 2" in text
     assert "# TYPE minisgl_time_per_output_token_seconds histogram" in text
+
+
+async def test_shell_streams_keeps_history_and_resets() -> None:
+    import io
+
+    from minisgl.server.args import ServerArgs
+    from minisgl.server.shell import MAX_REPLY_TOKENS, Shell
+
+    backend = FakeBackend()
+    out = io.StringIO()
+    shell = Shell(backend, ServerArgs(), out=out)
+    assert await shell.command("hello")
+    assert await shell.command("again")
+    (first, second) = [m for m in backend.sent if isinstance(m, TokenizeMsg)]
+    reply = "".join(f"w{i} " for i in range(MAX_REPLY_TOKENS))
+    assert first.messages == [{"role": "user", "content": "hello"}]
+    assert second.messages == [
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": reply},
+        {"role": "user", "content": "again"},
+    ]
+    assert out.getvalue() == f"{reply}\n{reply}\n"
+    assert await shell.command("/reset") and shell.history == []
+    assert not await shell.command("/exit")
+    assert out.getvalue().endswith("(conversation cleared)\n")

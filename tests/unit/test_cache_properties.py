@@ -69,10 +69,15 @@ class CacheMachine(RuleBasedStateMachine):
     # ---- strategies --------------------------------------------------------------------
     @classmethod
     def sequences(cls) -> st.SearchStrategy[list[int]]:
+        """Token sequences that often share prefixes (whole pages or part of a page)."""
         ps = cls.page_size
-        pages = st.lists(st.sampled_from(page_patterns(ps)), max_size=cls.max_pages - 2)
+        patterns = page_patterns(ps)
+        base = [x for i in range(cls.max_pages - 2) for x in patterns[(i * 2) % 3]]
         tail = st.lists(st.integers(0, 2), max_size=ps + 1)
-        return st.builds(lambda p, t: [x for page in p for x in page] + t, pages, tail)
+        shared = st.builds(lambda cut, t: base[:cut] + t, st.integers(0, len(base)), tail)
+        pages = st.lists(st.sampled_from(patterns), max_size=cls.max_pages - 2)
+        free = st.builds(lambda p, t: [x for page in p for x in page] + t, pages, tail)
+        return st.one_of(shared, shared, free)
 
     # ---- reference helpers -------------------------------------------------------------
     def _free_rows(self) -> list[int]:
@@ -203,6 +208,28 @@ class CacheMachine(RuleBasedStateMachine):
         for p, slot in zip(range(d, d + n), loc.tolist(), strict=True):
             self.kv[slot] = tuple(model.tokens[: p + 1])
         short = max(0, need - s.free // ps) * ps
+        self._observe_cache(may_evict=short > 0, min_freed=short)
+
+    @precondition(lambda self: self.rows)
+    @rule(pick=st.integers(0, 99))
+    def prefill(self, pick: int) -> None:
+        row = sorted(self.rows)[pick % len(self.rows)]
+        model = self.rows[row]
+        d = self.cm.device_len(row)
+        n = len(model.tokens) - d
+        if n <= 0:
+            return
+        need = -(-(d + n) // self.page_size) - -(-d // self.page_size)
+        s = self.cm.stats()
+        loc = self.cm.allocate(row, n)
+        if loc is None:
+            assert need > (s.free + s.evictable) // self.page_size
+            assert self.cm.stats() == s
+            self._observe_cache(may_evict=False)
+            return
+        for p, slot in zip(range(d, d + n), loc.tolist(), strict=True):
+            self.kv[slot] = tuple(model.tokens[: p + 1])
+        short = max(0, need - s.free // self.page_size) * self.page_size
         self._observe_cache(may_evict=short > 0, min_freed=short)
 
     @precondition(lambda self: self.rows)
