@@ -20,8 +20,10 @@ from minisgl import LLM, SamplingParams
 def workload(n: int, vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
     return [
-        ([rng.randrange(100, vocab - 100) for _ in range(rng.randint(100, 1024))],
-         rng.randint(100, 512))
+        (
+            [rng.randrange(100, vocab - 100) for _ in range(rng.randint(100, 1024))],
+            rng.randint(100, 512),
+        )
         for _ in range(n)
     ]
 
@@ -49,8 +51,12 @@ def bench_hf(model_path: str, work: list[tuple[list[int], int]], batch: int) -> 
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in group])
             new = max(m for _, m in group)
             model.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                do_sample=False, pad_token_id=pad,
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=pad,
             )
             total += sum(m for _, m in group)  # tokens the requests asked for
     return time.perf_counter() - t, total
@@ -60,7 +66,9 @@ def bench_prefix(llm_factory, n: int = 64) -> None:
     rng = random.Random(1)
     vocab = 40000
     systems = [[rng.randrange(100, vocab) for _ in range(800)] for _ in range(4)]
-    prompts = [rng.choice(systems) + [rng.randrange(100, vocab) for _ in range(40)] for _ in range(n)]
+    prompts = [
+        rng.choice(systems) + [rng.randrange(100, vocab) for _ in range(40)] for _ in range(n)
+    ]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     for cache in ("radix", "naive"):
         llm = llm_factory(cache)
@@ -68,8 +76,10 @@ def bench_prefix(llm_factory, n: int = 64) -> None:
         llm.generate(prompts, params)
         dt = time.perf_counter() - t
         st = llm.scheduler.stats()
-        print(f"shared-prefix {cache:5s}: {dt:7.2f} s, prefill tokens computed "
-              f"{st.prefill_tokens_total} of {sum(map(len, prompts))}")
+        print(
+            f"shared-prefix {cache:5s}: {dt:7.2f} s, prefill tokens computed "
+            f"{st.prefill_tokens_total} of {sum(map(len, prompts))}"
+        )
 
 
 def main() -> None:
@@ -89,8 +99,10 @@ def main() -> None:
     if not args.skip_hf:
         for b in args.hf_batch:
             hdt, htoks = bench_hf(str(llm.engine.model_path), work, b)
-            print(f"transformers : batch {b:3d}: {htoks} tokens in {hdt:7.2f} s = "
-                  f"{htoks / hdt:7.1f} tok/s  (minisgl x{(toks / dt) / (htoks / hdt):.2f})")
+            print(
+                f"transformers : batch {b:3d}: {htoks} tokens in {hdt:7.2f} s = "
+                f"{htoks / hdt:7.1f} tok/s  (minisgl x{(toks / dt) / (htoks / hdt):.2f})"
+            )
     if not args.skip_prefix:
         bench_prefix(lambda cache: LLM(cache=cache, max_running_requests=args.max_running))
 

@@ -1,28 +1,78 @@
-import statistics, sys, time, torch
-from minisgl.engine.batch import SampleInfo as I
+"""Sampler cost per decode step, vocab 49152: greedy, top-p, and a mixed batch.
+
+Usage: python scripts/bench_sampler.py [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from minisgl.engine.batch import SampleInfo
 from minisgl.engine.sampler import Sampler
-from minisgl.sampling_params import SamplingParams as P
-torch.set_num_threads(int(sys.argv[1]))
-V, g = 49152, torch.Generator().manual_seed(0)
-def logits(b):  # LLM-like: gaussian background + 20 strong tokens per row
-    x = torch.randn(b, V, generator=g) * 2
-    for r in range(b):
-        x[r, torch.randint(0, V, (20,), generator=g)] += torch.rand(20, generator=g) * 4 + 8
+from minisgl.sampling_params import SamplingParams
+
+VOCAB = 49152
+
+
+def fake_logits(batch: int, gen: torch.Generator) -> torch.Tensor:
+    """Gaussian background plus 20 strong tokens per row, like a language model's."""
+    x = torch.randn(batch, VOCAB, generator=gen) * 2
+    for r in range(batch):
+        hot = torch.randint(0, VOCAB, (20,), generator=gen)
+        x[r, hot] += torch.rand(20, generator=gen) * 4 + 8
     return x
-def mixed(i):
-    return [P(temperature=0), P(temperature=0.7, top_p=0.9), P(temperature=1.0, seed=i),
-            P(temperature=0.8, top_k=50, top_p=0.95, presence_penalty=0.5,
-              frequency_penalty=0.3, logprobs=5)][i % 4]
-scen = {"greedy": lambda i: P(temperature=0), "T=0.7 top_p=0.9": lambda i: P(temperature=0.7, top_p=0.9),
-        "mixed": mixed}
-s = Sampler(V, torch.device("cpu"), seed=0)
-for b in (1, 64):
-    x = logits(b)
-    for name, fn in scen.items():
-        infos = [I(fn(i if b > 1 else 1), list(range(500)), list(range(1000, 1200))) for i in range(b)]
-        for _ in range(3): s.sample(x, infos)
-        w, c = [], []
-        for _ in range(30 if b > 1 else 300):
-            t0, c0 = time.perf_counter(), time.process_time(); s.sample(x, infos)
-            w.append(time.perf_counter() - t0); c.append(time.process_time() - c0)
-        print(f"B={b:2d} {name:16s} wall min {min(w)*1e3:6.3f} ms, median {statistics.median(w)*1e3:6.3f} ms; cpu median {statistics.median(c)*1e3:6.3f} ms")
+
+
+def mixed(i: int) -> SamplingParams:
+    return [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0.7, top_p=0.9),
+        SamplingParams(temperature=1.0, seed=i),
+        SamplingParams(
+            temperature=0.8,
+            top_k=50,
+            top_p=0.95,
+            presence_penalty=0.5,
+            frequency_penalty=0.3,
+            logprobs=5,
+        ),
+    ][i % 4]
+
+
+SCENARIOS = {
+    "greedy": lambda i: SamplingParams(temperature=0),
+    "T=0.7 top_p=0.9": lambda i: SamplingParams(temperature=0.7, top_p=0.9),
+    "mixed": mixed,
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--iters", type=int, default=30)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    gen = torch.Generator().manual_seed(0)
+    sampler = Sampler(VOCAB, torch.device("cpu"), seed=0)
+    for batch in (1, 64):
+        logits = fake_logits(batch, gen)
+        for name, make in SCENARIOS.items():
+            infos = [SampleInfo(make(i), list(range(50)), list(range(20))) for i in range(batch)]
+            times = []
+            for _ in range(args.iters):
+                x = logits.clone()
+                t = time.perf_counter()
+                sampler.sample(x, infos)
+                times.append(time.perf_counter() - t)
+            print(
+                f"B={batch:2d} {name:16s} min {min(times) * 1e3:6.2f} ms  "
+                f"median {statistics.median(times) * 1e3:6.2f} ms"
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -222,7 +222,7 @@ class RadixPrefixCache(BasePrefixCache):
             node.heap_seq = -1
             if node.ref or node.children or node.parent is None:
                 continue
-            if False:
+            if stamp < node.last_access:
                 self._push(node)
                 continue
             parent = node.parent

@@ -245,7 +245,6 @@ class CacheManager:
         if dup.size:
             if dup.size % ps:
                 raise AssertionError(f"row {row}: {dup.size} duplicate slots, not whole pages")
-            self._push(dup[::ps] // ps)
         if new_len > cached:
             self._table[row, cached:new_len] = res.indices.numpy()[cached:new_len]
             self._private_pages -= (new_len - cached) // ps

@@ -23,6 +23,7 @@ from starlette.types import Receive, Scope, Send
 
 from minisgl.server.backend import Backend
 from minisgl.server.errors import ApiError, unavailable
+from minisgl.server.generation import Generation, start_chat, start_completion
 from minisgl.server.protocol import (
     AbortRequest,
     ChatCompletionRequest,
@@ -30,12 +31,9 @@ from minisgl.server.protocol import (
     ProtocolError,
     parse_request,
 )
-from minisgl.server.serving import (
-    Generation,
+from minisgl.server.responses import (
     chat_response,
     completion_response,
-    start_chat,
-    start_completion,
     stream_chat,
     stream_completion,
 )

@@ -17,7 +17,7 @@ from minisgl.sampling_params import SamplingParams
 from minisgl.server.args import ServerArgs
 from minisgl.server.backend import Backend
 from minisgl.server.errors import ApiError
-from minisgl.server.serving import Generation
+from minisgl.server.generation import Generation
 
 MAX_REPLY_TOKENS = 512
 HELP = "/reset clears the conversation, /exit quits, Ctrl-C stops a reply."

@@ -153,6 +153,21 @@ def test_completions_forms_stream_and_usage(client: openai.OpenAI, tokenizer) ->
     )
 
 
+def test_streamed_multibyte_text_is_never_broken(client: openai.OpenAI) -> None:
+    prompt = "日本の首都は東京です。中国の首都は"
+    plain = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=8)
+    pieces = [
+        c.choices[0].text
+        for c in client.completions.create(
+            model=MODEL, prompt=prompt, temperature=0, max_tokens=8, stream=True
+        )
+        if c.choices
+    ]
+    assert "".join(pieces) == plain.choices[0].text
+    assert not any("\ufffd" in p for p in pieces)
+    assert any(ord(ch) > 0x2FFF for ch in plain.choices[0].text), plain.choices[0].text
+
+
 def test_n_with_seed_is_reproducible(client: openai.OpenAI) -> None:
     kwargs = dict(
         model=MODEL,

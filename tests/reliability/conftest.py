@@ -10,8 +10,9 @@ Server kinds:
 
 ``main``      radix cache, API key, 64 KiB body limit, 1024-token context, 256-token prefill
               chunks; shared by the input, streaming, disconnect and burst modules.
-``pressure``  a deliberately small KV pool (640 tokens) and an in-flight cap (64 running +
-              8 queued), for exhaustion, never-fitting prompts and the full queue.
+``pressure``  a deliberately small KV pool (640 tokens in pages of 4) and an in-flight cap
+              (64 running + 8 queued), for exhaustion, never-fitting prompts and the full
+              queue.
 ``fault``     a fresh server per fault test (SIGKILL, SIGTERM); the next one is launched
               while the current test runs when memory allows.
 
@@ -51,7 +52,8 @@ MAIN_MAX_SEQ_LEN = 1024
 MAIN_MAX_BODY = 64 * 1024
 MAIN_MAX_RUNNING = 64
 MAIN_PREFILL_CHUNK = 256
-PRESSURE_PAGES = 640
+PRESSURE_KV_TOKENS = 640
+PRESSURE_PAGE_SIZE = 4
 PRESSURE_MAX_RUNNING = 64
 PRESSURE_MAX_QUEUED = 8
 FAULT_MAX_SEQ_LEN = 512
@@ -73,8 +75,10 @@ SERVER_ARGS: dict[str, tuple[str, ...]] = {
         "--debug-invariant",
     ),
     "pressure": (
+        "--page-size",
+        str(PRESSURE_PAGE_SIZE),
         "--num-pages",
-        str(PRESSURE_PAGES),
+        str(PRESSURE_KV_TOKENS // PRESSURE_PAGE_SIZE),
         "--max-seq-len",
         "2048",
         "--max-running-requests",
@@ -202,7 +206,7 @@ class Server:
     def wait_ready(self) -> Server:
         deadline = self.started_at + STARTUP_TIMEOUT_S
         with http_client(timeout=2.0) as http:
-            while time.monotonic() < deadline:
+            while True:
                 if self.proc.poll() is not None:
                     code = self.proc.returncode
                     pytest.fail(f"{self.kind} server exited with {code}:\n{self.log()}")
@@ -217,6 +221,8 @@ class Server:
                             return self
                     except httpx.HTTPError:
                         pass
+                if time.monotonic() > deadline:
+                    break
                 time.sleep(0.1)
         self.stop()
         pytest.fail(f"{self.kind} server not healthy after {STARTUP_TIMEOUT_S}s:\n{self.log()}")

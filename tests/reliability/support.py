@@ -213,16 +213,24 @@ def parse_stream(status: int, lines: Iterable[str], chat: bool) -> Outcome:
     return out
 
 
+def _json_or_raw(r: httpx.Response) -> dict[str, Any]:
+    try:
+        data = r.json()
+    except ValueError:
+        return {"error": {"message": f"not JSON: {r.text[:200]!r}", "raw": True}}
+    return data if isinstance(data, dict) else {"error": {"message": repr(data), "raw": True}}
+
+
 def request(http: httpx.Client, path: str, body: dict[str, Any]) -> Outcome:
     """POST ``body`` (streamed when ``body["stream"]``) and parse the answer."""
     chat = path.endswith("/chat/completions")
     if not body.get("stream"):
         r = http.post(path, json=body)
-        return parse_body(r.status_code, r.json(), chat)
+        return parse_body(r.status_code, _json_or_raw(r), chat)
     with http.stream("POST", path, json=body) as r:
         if r.status_code != 200:
             r.read()
-            return parse_body(r.status_code, r.json(), chat)
+            return parse_body(r.status_code, _json_or_raw(r), chat)
         return parse_stream(r.status_code, r.iter_lines(), chat)
 
 
@@ -230,10 +238,10 @@ async def arequest(http: httpx.AsyncClient, path: str, body: dict[str, Any]) -> 
     chat = path.endswith("/chat/completions")
     if not body.get("stream"):
         r = await http.post(path, json=body)
-        return parse_body(r.status_code, r.json(), chat)
+        return parse_body(r.status_code, _json_or_raw(r), chat)
     async with http.stream("POST", path, json=body) as r:
         if r.status_code != 200:
             await r.aread()
-            return parse_body(r.status_code, r.json(), chat)
+            return parse_body(r.status_code, _json_or_raw(r), chat)
         lines = [line async for line in r.aiter_lines()]
         return parse_stream(r.status_code, lines, chat)
