@@ -23,15 +23,19 @@ from __future__ import annotations
 
 import argparse
 import gc
+import pathlib
 import statistics
+import sys
 import time
 
 import numpy as np
 import torch
 
-from minisgl.kvcache import RadixPrefixCache
-from minisgl.kvcache.base import BasePrefixCache
-from minisgl.scheduler.cache_manager import CacheManager
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from minisgl.kvcache import RadixPrefixCache, make_prefix_cache  # noqa: E402
+from minisgl.kvcache.base import BasePrefixCache  # noqa: E402
+from minisgl.scheduler.cache_manager import CacheManager  # noqa: E402
 
 VOCAB = 32000
 clock = time.thread_time_ns
@@ -135,20 +139,20 @@ def build_tree(page_size: int, size: int, length: int, num_prompts: int) -> Radi
 
 def bench_evict(
     page_size: int, size: int, amount: int, length: int = 2000
-) -> tuple[float, float, int]:
-    """Mean ns per evict(amount) call and per evicted node, emptying a tree of ``size``."""
+) -> tuple[float, float, float, int]:
+    """Emptying a tree of ``size`` tokens by evict(amount) calls: median and mean ns per call,
+    mean ns per evicted node, number of calls."""
     cache = build_tree(page_size, size, length, max(1, size // 2000))
     gc.collect()
     gc.freeze()
-    calls = 0
-    ns = 0
     nodes = len(cache._nodes())
+    per_call: list[int] = []
     while cache.size:
         t0 = clock()
         cache.evict(amount)
-        ns += clock() - t0
-        calls += 1
-    return ns / calls, ns / nodes, calls
+        per_call.append(clock() - t0)
+    total = sum(per_call)
+    return statistics.median(per_call), total / len(per_call), total / nodes, len(per_call)
 
 
 def bench_requests_on_tree(page_size: int, tree: int, length: int, n: int) -> float:
@@ -170,8 +174,6 @@ def bench_requests_on_tree(page_size: int, tree: int, length: int, n: int) -> fl
 
 def bench_manager(page_size: int, num_requests: int, length: int) -> tuple[float, float]:
     """Median ns per request (match+admit+allocate+release) and per decode allocate."""
-    from minisgl.kvcache import make_prefix_cache
-
     num_pages = 300_000 // page_size
     cm = CacheManager(num_pages, page_size, 64, 4 * length, make_prefix_cache("radix", page_size))
     work = Workload(50, length)
@@ -210,6 +212,12 @@ def main() -> None:
     n = 1000 if args.quick else args.requests
     sweep_n = 300 if args.quick else 2000
 
+    sample = Workload(1, args.length).request()
+    t0 = clock()
+    for _ in range(200):
+        tuple(sample)
+    yardstick = (clock() - t0) / 200
+    print(f"== machine yardstick: tuple() of a {len(sample)}-int list takes {us(yardstick)} us")
     print(f"== requests: {n} x ~{args.length} tokens, 50 system prompts, tree cap {args.cap}")
     print(" ps  median per op: match lock insert unlock | per request: mean p50 p99 | evict/call")
     for ps in args.page_sizes:
@@ -222,11 +230,11 @@ def main() -> None:
         print(f"    mean {r['tokens']:.0f} tokens/request, {100 * r['hit']:.0f}% matched")
 
     print("== evict: tree of 100,000 cached tokens, emptied")
-    print(" ps  amount   us/call  us/node  calls")
+    print(" ps  amount  median/call mean/call mean/node  calls")
     for ps in args.page_sizes:
         for amount in (ps, 2000):
-            per_call, per_node, calls = bench_evict(ps, 100_000, amount)
-            print(f"{ps:3d} {amount:7d} {us(per_call)} {us(per_node)} {calls:6d}")
+            med, mean, per_node, calls = bench_evict(ps, 100_000, amount)
+            print(f"{ps:3d} {amount:7d}    {us(med)}  {us(mean)}  {us(per_node)} {calls:6d}")
 
     print("== growth with prompt length (empty tree at start; median us/request)")
     lengths = [500, 1000, 2000, 4000, 8000]
@@ -242,7 +250,7 @@ def main() -> None:
         row = [bench_requests_on_tree(ps, t, 2000, sweep_n) for t in trees]
         print(f"{ps:3d} " + "".join(f"{us(v):>10s}" for v in row))
 
-    print("== evict(one page) per call against tree size")
+    print("== evict(one page) against tree size (median us/call)")
     print(" ps " + "".join(f"{x:>10d}" for x in trees))
     for ps in args.page_sizes:
         row = [bench_evict(ps, t, ps, length=500)[0] for t in trees]

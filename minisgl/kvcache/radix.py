@@ -127,7 +127,7 @@ class RadixPrefixCache(BasePrefixCache):
     def _walk(self, tokens: tuple[int, ...], limit: int) -> tuple[_Node, int, list[np.ndarray]]:
         """Follow ``tokens[:limit]`` (page aligned) down the tree, splitting a node where the
         match ends inside it and touching every node on the way. Returns the deepest node
-        reached, the matched length and the slot tensors along the path."""
+        reached, the matched length and the slot arrays along the path."""
         ps = self.page_size
         self._clock += 1
         now = self._clock

@@ -47,6 +47,10 @@ class CacheManager:
         loc = cm.allocate(row, n)              # None: does not fit even after eviction
         ...
         cm.release(row, tokens[:cm.device_len(row)])
+
+    A match is only valid until something evicts (an ``allocate`` for another row): admit it
+    first. Before ``admit`` the matched prefix still counts as evictable in
+    ``available_tokens()``; after it, ``can_allocate`` gives the exact answer.
     """
 
     def __init__(
@@ -245,6 +249,7 @@ class CacheManager:
         if dup.size:
             if dup.size % ps:
                 raise AssertionError(f"row {row}: {dup.size} duplicate slots, not whole pages")
+            self._push(dup[::ps] // ps)
         if new_len > cached:
             self._table[row, cached:new_len] = res.indices.numpy()[cached:new_len]
             self._private_pages -= (new_len - cached) // ps

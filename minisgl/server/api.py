@@ -47,7 +47,6 @@ CLIENT_CLOSED_REQUEST = 499
 class ApiSettings:
     model_name: str
     accepted_models: frozenset[str]
-    max_seq_len: int | None = None
     api_key: str | None = None
     max_body_bytes: int = 16 * 1024 * 1024
 
@@ -175,8 +174,6 @@ def create_app(backend: Backend, settings: ApiSettings) -> FastAPI:
         body = await read_body(request, settings.max_body_bytes)
         req = parse_request(kind, body)
         check_model(req.model)
-        if not backend.healthy:
-            raise unavailable(f"the server is unhealthy: {backend.error}")
         return req
 
     async def finish(request: Request, gen: Generation) -> bool:
@@ -230,14 +227,16 @@ def create_app(backend: Backend, settings: ApiSettings) -> FastAPI:
             "created": created,
             "owned_by": "minisgl",
         }
-        if settings.max_seq_len is not None:
-            card["max_model_len"] = settings.max_seq_len
+        if backend.facts and backend.facts.get("max_seq_len"):
+            card["max_model_len"] = backend.facts["max_seq_len"]
         return {"object": "list", "data": [card]}
 
     @app.get("/health")
     async def health() -> Any:
         if not backend.healthy:
             return error_response(unavailable(f"unhealthy: {backend.error}"))
+        if not backend.ready:
+            return error_response(unavailable("starting: the workers are loading", "starting"))
         return {"status": "ok"}
 
     @app.get("/metrics")

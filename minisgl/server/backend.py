@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -53,11 +54,20 @@ class Backend:
         self.max_inflight = max_inflight
         self.metrics = ServerMetrics()
         self.error: str | None = None
+        self.facts: dict[str, Any] | None = None
         self._reqs: dict[str, _Tracked] = {}
 
     @property
     def healthy(self) -> bool:
         return self.error is None
+
+    @property
+    def ready(self) -> bool:
+        return self.facts is not None
+
+    def set_ready(self, facts: dict[str, Any]) -> None:
+        """The workers are up; ``facts`` are what the scheduler reported (max_seq_len ...)."""
+        self.facts = dict(facts)
 
     @property
     def num_inflight(self) -> int:
@@ -70,6 +80,8 @@ class Backend:
         """
         if self.error is not None:
             raise unavailable(f"the server is unhealthy: {self.error}")
+        if self.facts is None:
+            raise unavailable("the server is starting; retry shortly", code="starting")
         if self.max_inflight is not None and len(self._reqs) + len(msg.rids) > self.max_inflight:
             raise overloaded()
         now = time.monotonic()

@@ -54,5 +54,5 @@ def overloaded(message: str = "the server is overloaded; retry later") -> ApiErr
     return ApiError(503, message, code="server_overloaded")
 
 
-def unavailable(message: str) -> ApiError:
-    return ApiError(503, message, code="service_unavailable")
+def unavailable(message: str, code: str = "service_unavailable") -> ApiError:
+    return ApiError(503, message, code=code)

@@ -7,6 +7,11 @@
      ├── tokenizer                  (prompts -> ids, context-length check)
      └── detokenizer                (ids -> text, stop strings)
 
+The API server runs in the launcher itself: replies reach the HTTP handlers without another
+hop, supervision shares its event loop, and one process fewer competes for small machines.
+It never imports torch or transformers, so it listens within a second or two and answers
+``/health`` with 503 "starting" until every worker is ready.
+
 Children talk over ZeroMQ ``ipc://`` sockets in a private temporary directory; each reports
 readiness (or its startup error) on a pipe. A child that dies later makes ``/health`` answer
 503, ends every request, and stops the launcher with exit code 1. SIGINT/SIGTERM stop
@@ -133,9 +138,13 @@ class Launcher:
         self._spawn("detokenizer", run_detokenizer, self.paths)
 
     def wait_ready(self) -> dict[str, Any]:
-        """Block until every child is ready; the scheduler's facts are sent to the others."""
+        """Block until every child is ready; the scheduler's facts are sent to the others.
+
+        Runs on a worker thread while the HTTP server already answers (503 "starting");
+        returns early, with no facts, once the launcher is stopping.
+        """
         facts: dict[str, Any] = {}
-        while not all(c.ready for c in self.children):
+        while not all(c.ready for c in self.children) and not self._stopping.is_set():
             pending = [c for c in self.children if not c.ready]
             handles = [c.conn for c in pending] + [c.process.sentinel for c in pending]
             for handle in wait(handles, timeout=1.0):
@@ -210,7 +219,8 @@ class Launcher:
         os.write(self._wake_w, b"x")
 
     # ---- serving ---------------------------------------------------------------------
-    async def serve(self, sock: socket.socket | None, facts: dict[str, Any]) -> int:
+    async def serve(self, sock: socket.socket | None) -> int:
+        """Serve (HTTP or shell) until a signal or a dead worker; 503 until workers are ready."""
         from minisgl.server.backend import ZmqBackend
 
         args = self.args
@@ -222,7 +232,8 @@ class Launcher:
         backend.start()
         loop = asyncio.get_running_loop()
         stop_serving = asyncio.Event()
-        server = None
+        server = None if args.shell else self._make_server(backend, loop)
+        serving = asyncio.ensure_future(server.serve(sockets=[sock])) if server else None
 
         def on_death(name: str, exitcode: int | None, error: str) -> None:
             def handle() -> None:
@@ -234,10 +245,19 @@ class Launcher:
 
             loop.call_soon_threadsafe(handle)
 
-        supervisor = threading.Thread(target=self._supervise, args=(on_death,), daemon=True)
-        supervisor.start()
         try:
-            if args.shell:
+            ready = loop.run_in_executor(None, self.wait_ready)
+            await asyncio.wait(
+                {ready} | ({serving} if serving else set()), return_when=asyncio.FIRST_COMPLETED
+            )
+            if not ready.done():
+                self._stopping.set()
+                await asyncio.gather(ready, return_exceptions=True)
+                return 0
+            facts = ready.result()
+            backend.set_ready(facts)
+            threading.Thread(target=self._supervise, args=(on_death,), daemon=True).start()
+            if server is None:
                 from minisgl.server.shell import run_shell
 
                 self._log_ready(facts, None)
@@ -247,25 +267,24 @@ class Launcher:
                 for task in (shell, stopper):
                     task.cancel()
                 return self.exit_code
-            server = self._make_server(backend, facts, loop)
-
-            async def watch() -> None:
-                while not server.started:
-                    await asyncio.sleep(0.02)
-                self._log_ready(facts, sock)
-                await stop_serving.wait()
-                server.should_exit = True
-
-            watcher = asyncio.ensure_future(watch())
-            await server.serve(sockets=[sock])
-            watcher.cancel()
+            while not server.started and not serving.done():
+                await asyncio.sleep(0.02)
+            self._log_ready(facts, sock)
+            stopper = asyncio.ensure_future(stop_serving.wait())
+            await asyncio.wait({serving, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            stopper.cancel()
+            server.should_exit = True
+            await serving
             return self.exit_code
         finally:
             self._stop_supervisor()
+            if serving is not None and not serving.done():
+                server.should_exit = True
+                await asyncio.gather(serving, return_exceptions=True)
             backend.finish_all("abort")
             await backend.close()
 
-    def _make_server(self, backend: Any, facts: dict[str, Any], loop: Any) -> Any:
+    def _make_server(self, backend: Any, loop: Any) -> Any:
         import uvicorn
 
         from minisgl.server.api import ApiSettings, create_app
@@ -274,7 +293,6 @@ class Launcher:
         settings = ApiSettings(
             model_name=args.model_name,
             accepted_models=args.accepted_model_names,
-            max_seq_len=facts.get("max_seq_len"),
             api_key=args.api_key,
             max_body_bytes=args.max_body_bytes,
         )
@@ -324,8 +342,7 @@ class Launcher:
                     return 1
             self.paths = IpcPaths.create()
             self.start_children()
-            facts = self.wait_ready()
-            return asyncio.run(self.serve(sock, facts))
+            return asyncio.run(self.serve(sock))
         except StartupError as exc:
             logger.error("%s failed to start:\n%s", exc.name, exc.error.rstrip())
             return exc.exitcode if exc.exitcode not in (None, 0) else 1

@@ -13,8 +13,8 @@ Server kinds:
 ``pressure``  a deliberately small KV pool (640 tokens in pages of 4) and an in-flight cap
               (64 running + 8 queued), for exhaustion, never-fitting prompts and the full
               queue.
-``fault``     a fresh server per fault test (SIGKILL, SIGTERM); the next one is launched
-              while the current test runs when memory allows.
+``fault``     a fresh server per fault test (SIGKILL, SIGTERM), all launched at the start
+              when memory allows (else one ahead of need).
 
 Servers run with ``OMP_WAIT_POLICY=PASSIVE`` (unless set): on a shared, oversubscribed
 machine spinning OpenMP threads make a CPU decode step several times slower. All run with
@@ -46,7 +46,7 @@ REPO = Path(__file__).resolve().parents[2]
 API_KEY = "reliability-key"
 STARTUP_TIMEOUT_S = 240.0
 STOP_TIMEOUT_S = 20.0
-PRELAUNCH_MIN_FREE_BYTES = 3 << 30
+SERVER_MEMORY_BYTES = 2 << 30
 
 MAIN_MAX_SEQ_LEN = 1024
 MAIN_MAX_BODY = 64 * 1024
@@ -89,6 +89,7 @@ SERVER_ARGS: dict[str, tuple[str, ...]] = {
     ),
     "fault": ("--num-pages", "2048", "--max-seq-len", str(FAULT_MAX_SEQ_LEN), "--debug-invariant"),
 }
+READY_LINE = re.compile(r"ready in ([\d.]+)s: serving .* at http://[^:]+:(\d+)")
 FIXTURE_KIND = {"main_server": "main", "pressure_server": "pressure", "fault_server": "fault"}
 
 
@@ -211,13 +212,13 @@ class Server:
                     code = self.proc.returncode
                     pytest.fail(f"{self.kind} server exited with {code}:\n{self.log()}")
                 if self.port is None:
-                    m = re.search(r"ready in [\d.]+s: serving .* at http://[^:]+:(\d+)", self.log())
+                    m = READY_LINE.search(self.log())
                     if m:
-                        self.port = int(m.group(1))
+                        self.startup_s = float(m.group(1))
+                        self.port = int(m.group(2))
                 if self.port is not None:
                     try:
                         if http.get(f"{self.url}/health").status_code == 200:
-                            self.startup_s = time.monotonic() - self.started_at
                             return self
                     except httpx.HTTPError:
                         pass
@@ -270,26 +271,38 @@ def launch(kind: str) -> Server:
 
 
 class ServerFarm:
-    """Servers launched ahead of need and handed out by kind."""
+    """Servers launched ahead of need and handed out by kind.
+
+    Fault servers (one per test) are launched together when memory allows
+    (``SERVER_MEMORY_BYTES`` of available memory each), otherwise one ahead of need.
+    """
 
     def __init__(self, fault_needed: int) -> None:
         self.idle: dict[str, list[Server]] = {}
         self.all: list[Server] = []
-        self.fault_needed = fault_needed
+        self.fault_to_launch = fault_needed
 
     def prelaunch(self, kind: str) -> None:
+        if kind == "fault":
+            self.fault_to_launch -= 1
         srv = launch(kind)
         self.idle.setdefault(kind, []).append(srv)
         self.all.append(srv)
+
+    def prelaunch_faults(self, at_least: int) -> None:
+        """Launch ``at_least`` fault servers, and more while memory allows (servers still
+        booting have not taken their share yet, so it is subtracted for them)."""
+        booting = sum(1 for srv in self.all if srv.port is None and srv.proc.poll() is None)
+        spare = mem_available() // SERVER_MEMORY_BYTES - booting - 1
+        for _ in range(min(self.fault_to_launch, max(at_least, spare))):
+            self.prelaunch("fault")
 
     def take(self, kind: str) -> Server:
         if not self.idle.get(kind):
             self.prelaunch(kind)
         srv = self.idle[kind].pop(0)
-        if kind == "fault":
-            self.fault_needed -= 1
-            if self.fault_needed > 0 and mem_available() >= PRELAUNCH_MIN_FREE_BYTES:
-                self.prelaunch("fault")
+        if kind == "fault" and not self.idle.get("fault"):
+            self.prelaunch_faults(at_least=1)
         return srv.wait_ready()
 
     def stop_all(self) -> None:
@@ -310,9 +323,10 @@ def farm(request: pytest.FixtureRequest) -> Iterator[ServerFarm]:
             if name in FIXTURE_KIND:
                 kinds[FIXTURE_KIND[name]] += 1
     f = ServerFarm(kinds["fault"])
-    for kind in ("main", "pressure", "fault"):
+    for kind in ("main", "pressure"):
         if kinds[kind]:
             f.prelaunch(kind)
+    f.prelaunch_faults(at_least=1)
     try:
         yield f
     finally:

@@ -212,6 +212,11 @@ CHAT_CASES: dict[str, tuple[dict[str, Any], str]] = {
     "stop_token_ids_beyond_int64": ({"stop_token_ids": [2**70]}, "stop_token_ids"),
     "max_tokens_beyond_int64": ({"max_tokens": 2**70}, "max_tokens"),
     "ignore_eos_string": ({"ignore_eos": "true"}, "ignore_eos"),
+    "top_k_beyond_int64": ({"top_k": 2**70}, "top_k"),
+    "content_part_type_huge": (
+        {"messages": [{"role": "user", "content": [{"type": "x" * 20000, "text": CANARY}]}]},
+        "content",
+    ),
 }
 
 
@@ -256,6 +261,8 @@ COMPLETION_CASES: dict[str, tuple[dict[str, Any], str]] = {
     "seed_over_int64": ({"seed": 2**64}, "seed"),
     "stream_options_without_stream": ({"stream_options": {"include_usage": True}}, "stream"),
     "stop_number": ({"stop": 1.5}, "stop"),
+    "too_many_choices": ({"prompt": ["a"] * 2000, "n": 64}, "prompt"),
+    "too_many_prompts": ({"prompt": ["a"] * 5000}, "prompt"),
 }
 
 

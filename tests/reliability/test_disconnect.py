@@ -37,6 +37,7 @@ from tests.reliability.support import (
     is_idle,
     read_metrics,
     request,
+    sse_payloads,
     wait_idle,
 )
 
@@ -244,8 +245,7 @@ def test_disconnect_to_free_latency(main_server: Server) -> None:
     assert m["minisgl_num_running_requests"] == 0
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_disconnect_while_queued_behind_full_batch(main_server: Server, stream: bool) -> None:
+def test_disconnect_while_queued_behind_full_batch(main_server: Server) -> None:
     """Fill every running slot, queue more, cancel only the queued ones: the running ones
     finish normally and the queued ones are counted as aborts."""
     wait_idle(main_server)
@@ -272,17 +272,18 @@ def test_disconnect_while_queued_behind_full_batch(main_server: Server, stream: 
                     break
                 assert time.monotonic() < deadline, gauges(m)
                 await asyncio.sleep(0.005)
-            back_body = {**first, "max_tokens": LONG_TOKENS, "stream": stream}
+            back_body = {**first, "max_tokens": LONG_TOKENS}
 
-            async def queued() -> None:
+            async def queued(stream: bool) -> None:
                 if stream:
-                    async with http.stream("POST", COMPLETIONS, json=back_body) as r:
+                    body = {**back_body, "stream": True}
+                    async with http.stream("POST", COMPLETIONS, json=body) as r:
                         async for _ in r.aiter_lines():
                             pass
                 else:
                     await http.post(COMPLETIONS, json=back_body)
 
-            back = [asyncio.ensure_future(queued()) for _ in range(queued_n)]
+            back = [asyncio.ensure_future(queued(i % 2 == 0)) for i in range(queued_n)]
             while True:
                 m = await aread_metrics(http, main_server)
                 if (
@@ -309,3 +310,43 @@ def test_disconnect_while_queued_behind_full_batch(main_server: Server, stream: 
     end = finish_counts(wait_idle(main_server))
     end.subtract(start)
     assert end["abort"] == queued_n and end["length"] == running_n, end
+
+
+def test_abort_endpoint_ends_stream_and_frees(main_server: Server) -> None:
+    """``POST /abort`` with the response id ends every choice with "abort"; an unknown id is
+    a 404; the KV is free afterwards."""
+    wait_idle(main_server)
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Write a very long poem."}],
+        "max_tokens": LONG_TOKENS,
+        "ignore_eos": True,
+        "n": 2,
+        "stream": True,
+    }
+    with http_client(base_url=main_server.url, headers=main_server.headers) as http:
+        missing = http.post("/abort", json={"id": "chatcmpl-does-not-exist"})
+        assert missing.status_code == 404 and missing.json()["error"]["param"] == "id"
+        finishes: dict[int, str] = {}
+        with http.stream("POST", CHAT, json=body) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            response_id = None
+            for payload in sse_payloads(lines):
+                assert payload != "[DONE]"
+                response_id = payload["id"]
+                if any(choice_text(c, True) for c in payload["choices"]):
+                    break
+            aborted = http.post("/abort", json={"id": response_id})
+            assert aborted.status_code == 200, aborted.text
+            assert sorted(aborted.json()["aborted"]) == [f"{response_id}-0", f"{response_id}-1"]
+            done = False
+            for payload in sse_payloads(lines):
+                if payload == "[DONE]":
+                    done = True
+                    continue
+                for c in payload["choices"]:
+                    if c.get("finish_reason"):
+                        finishes[c["index"]] = c["finish_reason"]
+        assert done and finishes == {0: "abort", 1: "abort"}, finishes
+    wait_idle(main_server)

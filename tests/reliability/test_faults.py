@@ -88,9 +88,12 @@ def test_worker_killed(fault_server: Server, victim: str) -> None:
             os.kill(pid, signal.SIGKILL)
             results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=30)
             late: list[Any] = []
-            while srv.proc.poll() is None:
+            deadline = time.monotonic() + EXIT_TIMEOUT_S
+            while srv.proc.poll() is None and time.monotonic() < deadline:
                 try:
-                    late.append(await arequest(http, *long_body(0, False)))
+                    late.append(
+                        await asyncio.wait_for(arequest(http, *long_body(0, False)), timeout=15)
+                    )
                 except httpx.HTTPError as exc:
                     late.append(exc)
                 await asyncio.sleep(0.05)

@@ -31,6 +31,7 @@ def anyio_backend() -> str:
 class FakeBackend(Backend):
     def __init__(self, max_inflight: int | None = None, delay: float = 0.001) -> None:
         super().__init__(max_inflight)
+        self.set_ready({"max_seq_len": 100})
         self.delay = delay
         self.sent: list[object] = []
         self.aborted: list[str] = []
@@ -82,7 +83,7 @@ class FakeBackend(Backend):
 
 
 def make_client(backend: Backend, **settings: Any) -> httpx.AsyncClient:
-    cfg = ApiSettings(MODEL, frozenset({MODEL}), max_seq_len=100, **settings)
+    cfg = ApiSettings(MODEL, frozenset({MODEL}), **settings)
     app = create_app(backend, cfg)
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")
 
@@ -318,6 +319,18 @@ async def test_unhealthy_backend_answers_503_and_ends_requests() -> None:
         assert_error(await pending, 503)
         assert_error(await c.get("/health"), 503)
         assert_error(await c.post("/v1/chat/completions", json=CHAT), 503)
+
+
+async def test_starting_backend_answers_503_starting() -> None:
+    backend = FakeBackend()
+    backend.facts = None
+    async with make_client(backend) as c:
+        assert_error(await c.get("/health"), 503, "starting")
+        assert_error(await c.post("/v1/chat/completions", json=CHAT), 503, "starting")
+        assert "max_model_len" not in (await c.get("/v1/models")).json()["data"][0]
+        backend.set_ready({"max_seq_len": 100})
+        assert (await c.get("/health")).status_code == 200
+        assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 200
 
 
 async def test_abort_endpoint_ends_a_request_with_abort() -> None:
