@@ -26,6 +26,10 @@ class Chunk:
         return self.end == self.req.seq_len
 
 
+SHARE_PROBE = 32
+"""Leading uncached tokens compared to spot requests that share a prefix within one batch."""
+
+
 class PrefillManager:
     """Owns the waiting queue.
 
@@ -35,8 +39,9 @@ class PrefillManager:
     prefill ends in a forward that yields logits.
     """
 
-    def __init__(self, cache: CacheManager, table: TableManager) -> None:
+    def __init__(self, cache: CacheManager, table: TableManager, share: bool = True) -> None:
         self.cache = cache
+        self.share = share
         self.table = table
         self.waiting: deque[Request] = deque()
 
@@ -48,6 +53,7 @@ class PrefillManager:
 
     def requeue(self, req: Request) -> None:
         """Put a retracted request back first in line (behind a half-prefilled head)."""
+        self._partial_first()
         head_busy = bool(self.waiting) and self.waiting[0].admitted
         self.waiting.insert(1 if head_busy else 0, req)
 
@@ -55,27 +61,52 @@ class PrefillManager:
         self.waiting.remove(req)
 
     def schedule(self, budget: int) -> list[Chunk]:
-        """Chunks for this forward, at most ``budget`` tokens in all."""
+        """Chunks for this forward, at most ``budget`` tokens in all.
+
+        A fresh request whose first uncached tokens equal those of a request already in this
+        batch waits one round: once the batch has run, that shared prefix is in the prefix
+        cache and the waiting request computes only its own suffix.
+        """
+        self._partial_first()
         chunks: list[Chunk] = []
-        while self.waiting and budget > 0:
-            req = self.waiting[0]
-            if not req.admitted and not self._admit(req):
-                break
+        computing: set[tuple[int, ...]] = set()
+        i = 0
+        while i < len(self.waiting) and budget > 0:
+            req = self.waiting[i]
+            fresh = not req.admitted
+            if fresh:
+                if not self._admit(req):
+                    break
+                key = tuple(req.tokens(req.cached_len, req.cached_len + SHARE_PROBE))
+                if self.share and len(key) == SHARE_PROBE and req.pending_len > SHARE_PROBE:
+                    if key in computing:
+                        self._unadmit(req)
+                        i += 1
+                        continue
+                    computing.add(key)
             extend = min(req.pending_len, budget)
             out_loc = self.cache.allocate(req.row, extend)
             if out_loc is None:
-                if req.device_len == req.cached_len:
+                if fresh:
                     self._unadmit(req)
                 break
             start = req.device_len
             req.advance(extend)
             chunks.append(Chunk(req, start, req.device_len, out_loc))
             budget -= extend
-            if req.pending_len == 0:
-                self.waiting.popleft()
-            else:
+            if req.pending_len:
                 break
+            del self.waiting[i]
         return chunks
+
+    def _partial_first(self) -> None:
+        """A half-prefilled request (there is at most one) always continues first."""
+        for i, req in enumerate(self.waiting):
+            if req.admitted:
+                if i:
+                    del self.waiting[i]
+                    self.waiting.appendleft(req)
+                return
 
     def _admit(self, req: Request) -> bool:
         row = self.table.allocate()

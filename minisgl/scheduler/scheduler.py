@@ -77,7 +77,7 @@ class Scheduler:
             prefix_cache=make_prefix_cache(config.cache, engine.page_size),
         )
         self.table = TableManager(config.max_running_requests)
-        self.prefill = PrefillManager(self.cache, self.table)
+        self.prefill = PrefillManager(self.cache, self.table, share=config.cache == "radix")
         self.decode = DecodeManager(self.cache)
         self.requests: dict[str, Request] = {}
         self._pending: list[RequestOutput] = []
@@ -226,6 +226,9 @@ class Scheduler:
             sample=samples,
         )
         result = self.engine.forward(batch)
+        for c in chunks:
+            if c.end - c.start > 1:
+                self.cache.cache_prefix(c.req.row, c.req.tokens(0, c.end))
         outputs: list[RequestOutput] = []
         k = 0
         for c in chunks:

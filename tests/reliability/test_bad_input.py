@@ -17,6 +17,8 @@ import pytest
 from tests.reliability.conftest import MAIN_MAX_BODY, MAIN_MAX_SEQ_LEN, Server
 from tests.reliability.support import MODEL, http_client, read_metrics, wait_idle
 
+pytestmark = pytest.mark.slow
+
 CANARY = "CANARY-7f3a9c-do-not-echo"
 MAX_ERROR_BYTES = 2048
 CHAT = "/v1/chat/completions"

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.reliability.conftest import Server
 from tests.reliability.support import (
@@ -26,6 +27,8 @@ from tests.reliability.support import (
     request,
     wait_idle,
 )
+
+pytestmark = pytest.mark.slow
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"

@@ -41,6 +41,8 @@ from tests.reliability.support import (
     wait_idle,
 )
 
+pytestmark = pytest.mark.slow
+
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 STORM = 200

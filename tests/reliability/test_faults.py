@@ -28,6 +28,8 @@ from tests.reliability.support import (
     gauges,
 )
 
+pytestmark = pytest.mark.slow
+
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 IN_FLIGHT = 8

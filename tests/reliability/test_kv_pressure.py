@@ -12,6 +12,8 @@ import random
 import time
 from typing import Any
 
+import pytest
+
 from tests.reliability.conftest import (
     PRESSURE_KV_TOKENS,
     PRESSURE_MAX_QUEUED,
@@ -31,6 +33,8 @@ from tests.reliability.support import (
     read_metrics,
     wait_idle,
 )
+
+pytestmark = pytest.mark.slow
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"

@@ -15,6 +15,8 @@ import pytest
 from tests.reliability.conftest import Server
 from tests.reliability.support import MODEL, Outcome, http_client, request, wait_idle
 
+pytestmark = pytest.mark.slow
+
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 REPLACEMENT = "\ufffd"

@@ -158,3 +158,11 @@ def test_queue_limit_rejects_promptly() -> None:
     assert [o.rid for o in errors] == ["q2"] and "queued" in errors[0].error
     got = collect(first + sched.run_until_idle())
     assert got["q0"][1] == got["q1"][1] == "length"
+
+
+def test_concurrent_arrivals_share_prefixes_within_a_batch() -> None:
+    work = make_workload(48)
+    got, radix, _ = run(work, cache="radix")
+    prompt_tokens = sum(len(p) for _, p, _ in work)
+    assert radix.prefill_tokens_total < 0.5 * prompt_tokens
+    assert got == alone(work)
