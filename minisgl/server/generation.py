@@ -97,10 +97,14 @@ class Generation:
 
     async def wait_started(self) -> None:
         """Wait until every choice is accepted; an error anywhere becomes an ``ApiError``."""
-        while not all(c.accepted for c in self.choices):
-            choice, msg = await self._next()
-            self._backlog.append((choice, msg))
-            self._raise_if_failed(choice)
+        try:
+            while not all(c.accepted for c in self.choices):
+                choice, msg = await self._next()
+                self._backlog.append((choice, msg))
+                self._raise_if_failed(choice)
+        except asyncio.CancelledError:
+            self.abort()
+            raise
 
     def _raise_if_failed(self, choice: Choice) -> None:
         if choice.error is not None:

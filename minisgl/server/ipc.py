@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import zmq
 
 ENDPOINTS = ("api", "tokenizer", "scheduler", "detokenizer")
+PREFIX = "minisgl-"
+OWNER_FILE = "launcher.pid"
 
 
 @dataclass(frozen=True)
@@ -29,8 +31,16 @@ class IpcPaths:
 
     @classmethod
     def create(cls) -> IpcPaths:
-        """A fresh private directory (mode 0700) for this launch's sockets."""
-        return cls(tempfile.mkdtemp(prefix="minisgl-"))
+        """A fresh private directory (mode 0700) for this launch's sockets.
+
+        It records the launcher's pid; directories left behind by launchers that were killed
+        outright (SIGKILL leaves no chance to clean up) are removed on the way.
+        """
+        remove_stale_dirs()
+        root = tempfile.mkdtemp(prefix=PREFIX)
+        with open(os.path.join(root, OWNER_FILE), "w") as f:
+            f.write(str(os.getpid()))
+        return cls(root)
 
     def addr(self, endpoint: str) -> str:
         if endpoint not in ENDPOINTS:
@@ -39,6 +49,32 @@ class IpcPaths:
 
     def remove(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+def remove_stale_dirs() -> None:
+    """Remove socket directories whose launcher no longer runs."""
+    tmp = tempfile.gettempdir()
+    for name in os.listdir(tmp):
+        path = os.path.join(tmp, name)
+        if not name.startswith(PREFIX) or not os.path.isdir(path):
+            continue
+        try:
+            with open(os.path.join(path, OWNER_FILE)) as f:
+                pid = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if not _pid_alive(pid):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def bind_pull(ctx: zmq.Context, paths: IpcPaths, endpoint: str) -> zmq.Socket:

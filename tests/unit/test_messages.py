@@ -1,4 +1,4 @@
-"""Message dataclasses survive msgpack round trips; nothing else gets through."""
+"""Inter-process plumbing: msgpack message round trips (nothing else gets through), socket dirs."""
 
 from __future__ import annotations
 
@@ -141,3 +141,35 @@ def test_api_side_imports_stay_light() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_socket_dirs_record_their_owner_and_stale_ones_are_removed(tmp_path, monkeypatch) -> None:
+    import os
+    import tempfile
+
+    from minisgl.server.ipc import OWNER_FILE, IpcPaths
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess_pid_that_exited()
+    stale = tmp_path / "minisgl-stale"
+    stale.mkdir()
+    (stale / OWNER_FILE).write_text(str(dead))
+    foreign = tmp_path / "minisgl-no-owner"
+    foreign.mkdir()
+    paths = IpcPaths.create()
+    assert not stale.exists() and foreign.exists()
+    assert (tmp_path / os.path.basename(paths.root) / OWNER_FILE).read_text() == str(os.getpid())
+    assert paths.addr("api") == f"ipc://{paths.root}/api"
+    IpcPaths.create()
+    assert os.path.isdir(paths.root), "a live launcher's directory is kept"
+    paths.remove()
+    assert not os.path.exists(paths.root)
+
+
+def subprocess_pid_that_exited() -> int:
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
