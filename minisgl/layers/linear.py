@@ -22,6 +22,9 @@ from torch import nn
 
 from minisgl.distributed import TPGroup
 
+PACK_BATCH_HINT = 16
+"""Batch size oneDNN tunes the packed weight layout for (any batch size works)."""
+
 
 def _divide(n: int, d: int, what: str) -> int:
     if n % d:
@@ -54,7 +57,7 @@ class LinearBase(nn.Module):
 
         Call once, after loading; afterwards ``weight`` is empty and cannot be reloaded.
         """
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACK_BATCH_HINT)
         self.weight.data = self.weight.data.new_empty(0)
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -90,6 +90,9 @@ class PrefillManager:
                 if fresh:
                     self._unadmit(req)
                 break
+            if not req.admitted_once:
+                req.admitted_once = True
+                req.prompt_cached_len = min(req.cached_len, req.prompt_len)
             start = req.device_len
             req.advance(extend)
             chunks.append(Chunk(req, start, req.device_len, out_loc))
@@ -116,9 +119,6 @@ class PrefillManager:
         self.cache.admit(row, match)
         req.row = row
         req.cached_len = req.device_len = match.cached_len
-        if not req.admitted_once:
-            req.admitted_once = True
-            req.prompt_cached_len = min(match.cached_len, req.prompt_len)
         return True
 
     def _unadmit(self, req: Request) -> None:

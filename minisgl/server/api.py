@@ -113,6 +113,16 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+def check_content_type(request: Request) -> None:
+    """JSON bodies only; a missing Content-Type is taken to be JSON."""
+    header = request.headers.get("content-type")
+    if header is None:
+        return
+    media = header.split(";", 1)[0].strip().lower()
+    if media != "application/json" and not media.endswith("+json"):
+        raise ApiError(400, "the Content-Type must be application/json", param="content-type")
+
+
 def _too_large(limit: int) -> ApiError:
     return ApiError(413, f"the request body exceeds {limit} bytes", code="request_too_large")
 
@@ -171,6 +181,7 @@ def create_app(backend: Backend, settings: ApiSettings) -> FastAPI:
 
     async def prepare(request: Request, kind: type) -> Any:
         authorize(request)
+        check_content_type(request)
         body = await read_body(request, settings.max_body_bytes)
         req = parse_request(kind, body)
         check_model(req.model)
@@ -249,6 +260,7 @@ def create_app(backend: Backend, settings: ApiSettings) -> FastAPI:
     @app.post("/abort")
     async def abort(request: Request) -> Any:
         authorize(request)
+        check_content_type(request)
         req = parse_request(AbortRequest, await read_body(request, settings.max_body_bytes))
         target = req.id or req.rid
         if not target:

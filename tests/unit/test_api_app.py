@@ -251,6 +251,15 @@ async def test_validation_errors_are_400_never_422() -> None:
         assert_error(await c.post("/v1/completions", json={"prompt": {}}), 400, param="prompt")
         r = await c.post("/v1/chat/completions", json={**CHAT, "unknown_field": [1]})
         assert r.status_code == 200
+        for ctype in ("text/plain", "application/x-www-form-urlencoded"):
+            r = await c.post(
+                "/v1/chat/completions", content=json.dumps(CHAT), headers={"content-type": ctype}
+            )
+            assert_error(r, 400, param="content-type")
+        for ctype in ("application/json; charset=utf-8", None):
+            headers = {"content-type": ctype} if ctype else {}
+            r = await c.post("/v1/chat/completions", content=json.dumps(CHAT), headers=headers)
+            assert r.status_code == 200, ctype
 
 
 async def test_model_auth_size_and_route_errors() -> None:

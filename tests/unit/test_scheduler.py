@@ -166,3 +166,16 @@ def test_concurrent_arrivals_share_prefixes_within_a_batch() -> None:
     prompt_tokens = sum(len(p) for _, p, _ in work)
     assert radix.prefill_tokens_total < 0.5 * prompt_tokens
     assert got == alone(work)
+
+
+def test_reported_cached_tokens_count_reuse_after_deferral() -> None:
+    work = make_workload(48)
+    engine = FakeEngine(num_pages=20000)
+    sched = Scheduler(engine, SchedulerConfig(cache="radix"))
+    for rid, prompt, max_tokens in work:
+        sched.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    final = [o for o in sched.run_until_idle() if o.finished]
+    prompt_tokens = sum(o.prompt_tokens for o in final)
+    cached = sum(o.cached_tokens for o in final)
+    assert cached == prompt_tokens - sched.prefill_tokens_total
+    assert cached > 0.5 * prompt_tokens
