@@ -1,7 +1,7 @@
 """Engine speed: decode steps at several batch sizes and one long prefill, vs transformers.
 
     python scripts/bench_engine.py [--model PATH] [--batches 1,16,32] [--context 384]
-        [--dtypes float32,bfloat16] [--pack on|off|both] [--page-size 16] [--no-hf]
+        [--dtypes float32,bfloat16] [--pack on|off|both] [--page-sizes 1,16] [--no-hf]
 
 Decode batches read ``--context`` cached tokens per request (the KV pool is filled with
 random values; slots come from shuffled pages, as after cache churn) and sample greedily.
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import itertools
 import pathlib
 import random
 import statistics
@@ -142,7 +143,7 @@ def main() -> None:
     parser.add_argument("--dtypes", default="float32", help="comma-separated engine dtypes")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--attn", default="auto")
-    parser.add_argument("--page-size", type=int, default=1)
+    parser.add_argument("--page-sizes", default="1", help="comma-separated page sizes")
     parser.add_argument("--batches", default="1,16,32")
     parser.add_argument("--context", type=int, default=384)
     parser.add_argument("--prefill", type=int, default=512)
@@ -157,24 +158,29 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     tokens = max(batches) * (args.context + args.steps + 8) + args.prefill
     engines: dict[str, Engine] = {}
-    for dtype in args.dtypes.split(","):
-        for pack in {"on": [True], "off": [False], "both": [True, False]}[args.pack]:
-            engine_module.CPU_PACKED_LINEARS = pack
-            engine = Engine(
-                EngineConfig(
-                    model=args.model,
-                    dtype=dtype,
-                    device=args.device,
-                    attn=args.attn,
-                    page_size=args.page_size,
-                    num_pages=-(-tokens // args.page_size) + 8,
-                )
+    page_sizes = [int(p) for p in args.page_sizes.split(",")]
+    packs = {"on": [True], "off": [False], "both": [True, False]}[args.pack]
+    for dtype, pack, ps in itertools.product(args.dtypes.split(","), packs, page_sizes):
+        engine_module.CPU_PACKED_LINEARS = pack
+        engine = Engine(
+            EngineConfig(
+                model=args.model,
+                dtype=dtype,
+                device=args.device,
+                attn=args.attn,
+                page_size=ps,
+                num_pages=-(-tokens // ps) + 8,
             )
-            for layer in range(engine.model_config.num_layers):
-                engine.kv_cache.k_cache(layer).normal_(0, 0.1)
-                engine.kv_cache.v_cache(layer).normal_()
-            kind = (" packed" if pack else " F.linear") if engine.device.type == "cpu" else ""
-            engines[dtype + kind] = engine
+        )
+        for layer in range(engine.model_config.num_layers):
+            engine.kv_cache.k_cache(layer).normal_(0, 0.1)
+            engine.kv_cache.v_cache(layer).normal_()
+        label = dtype
+        if engine.device.type == "cpu" and len(packs) > 1:
+            label += " packed" if pack else " F.linear"
+        if len(page_sizes) > 1:
+            label += f" ps{ps}"
+        engines[label] = engine
     if args.threads:
         torch.set_num_threads(args.threads)
     hf = None
@@ -187,10 +193,10 @@ def main() -> None:
     first = next(iter(engines.values()))
     print(
         f"model {first.model_path.name} ({first.model_config.architecture}), device "
-        f"{first.device}, attn {first.attn_name}, page_size {first.page_size}, "
+        f"{first.device}, attn {first.attn_name}, page sizes {args.page_sizes}, "
         f"threads {torch.get_num_threads()}"
     )
-    print(f"{'case':<28} {'variant':<20} {'ms':>9} {'tok/s':>8} {'vs transformers':>16}")
+    print(f"{'case':<28} {'variant':<24} {'ms':>9} {'tok/s':>8} {'vs transformers':>16}")
     cases = [(f"decode  B={b:<3} ctx {args.context}", b) for b in batches]
     cases.append((f"prefill 1 x {args.prefill}", None))
     for name, b in cases:
@@ -212,7 +218,7 @@ def main() -> None:
         base = result.get("transformers fp32")
         for label, ms in result.items():
             ratio = f"{base / ms:15.2f}x" if base is not None else f"{'-':>16}"
-            print(f"{name:<28} {label:<20} {ms:9.1f} {tokens_per_call / ms * 1e3:8.0f} {ratio}")
+            print(f"{name:<28} {label:<24} {ms:9.1f} {tokens_per_call / ms * 1e3:8.0f} {ratio}")
         sys.stdout.flush()
 
 

@@ -174,7 +174,7 @@ def create_app(backend: Backend, settings: ApiSettings) -> FastAPI:
         if model is not None and model not in settings.accepted_models:
             raise ApiError(
                 404,
-                f"The model '{model}' does not exist; this server serves '{settings.model_name}'.",
+                f"The requested model does not exist; this server serves '{settings.model_name}'.",
                 code="model_not_found",
                 param="model",
             )
@@ -248,6 +248,8 @@ def create_app(backend: Backend, settings: ApiSettings) -> FastAPI:
             return error_response(unavailable(f"unhealthy: {backend.error}"))
         if not backend.ready:
             return error_response(unavailable("starting: the workers are loading", "starting"))
+        if backend.stopping:
+            return error_response(unavailable("shutting down", "shutting_down"))
         return {"status": "ok"}
 
     @app.get("/metrics")

@@ -29,7 +29,7 @@ from minisgl.message import (
     decode,
     encode,
 )
-from minisgl.server.errors import overloaded, unavailable
+from minisgl.server.errors import ApiError, overloaded, unavailable
 from minisgl.server.ipc import IpcPaths, bind_pull, connect_push
 from minisgl.server.metrics import ServerMetrics
 
@@ -55,6 +55,7 @@ class Backend:
         self.metrics = ServerMetrics()
         self.error: str | None = None
         self.facts: dict[str, Any] | None = None
+        self.stopping = False
         self._reqs: dict[str, _Tracked] = {}
 
     @property
@@ -82,18 +83,22 @@ class Backend:
             raise unavailable(f"the server is unhealthy: {self.error}")
         if self.facts is None:
             raise unavailable("the server is starting; retry shortly", code="starting")
+        if self.stopping:
+            raise unavailable("the server is shutting down", code="shutting_down")
         if self.max_inflight is not None and len(self._reqs) + len(msg.rids) > self.max_inflight:
             raise overloaded()
+        data = _encode_request(msg)
         now = time.monotonic()
         for rid in msg.rids:
             self._reqs[rid] = _Tracked(group, queue, now)
-        await self._send(msg)
+        self._send(msg, data)
 
     def abort(self, rids: Iterable[str]) -> None:
         """Ask the scheduler to end these requests; their "abort" replies follow."""
         live = [r for r in rids if r in self._reqs]
         if live and self.error is None:
-            self._send_nowait(AbortMsg(live))
+            msg = AbortMsg(live)
+            self._send(msg, encode(msg))
 
     def is_inflight(self, rid: str) -> bool:
         return rid in self._reqs
@@ -108,6 +113,11 @@ class Backend:
             self.abort(rids)
         for rid in rids:
             self.deliver(Reply(rid, finished=True, finish_reason=reason, error=error))
+
+    def shut_down(self) -> None:
+        """Refuse new requests (503) and end those in flight with "abort"."""
+        self.stopping = True
+        self.finish_all("abort")
 
     def fail(self, error: str) -> None:
         """Mark the server unhealthy and end every request with a 503."""
@@ -152,11 +162,17 @@ class Backend:
         else:
             logger.error("api got an unexpected %s", type(msg).__name__)
 
-    async def _send(self, msg: object) -> None:
-        self._send_nowait(msg)
-
-    def _send_nowait(self, msg: object) -> None:
+    def _send(self, msg: object, data: bytes) -> None:
+        """Transport hook: ``data`` is ``msg`` already serialized."""
         raise NotImplementedError
+
+
+def _encode_request(msg: TokenizeMsg) -> bytes:
+    """Serialize, turning values msgpack cannot carry (ints beyond 64 bits) into a 400."""
+    try:
+        return encode(msg)
+    except (TypeError, OverflowError, ValueError) as exc:
+        raise ApiError(400, "a request field holds a value out of range") from exc
 
 
 class ZmqBackend(Backend):
@@ -181,8 +197,8 @@ class ZmqBackend(Backend):
             except Exception:
                 logger.exception("bad message from a worker")
 
-    def _send_nowait(self, msg: object) -> None:
-        self._to_tokenizer.send(encode(msg), zmq.NOBLOCK)
+    def _send(self, msg: object, data: bytes) -> None:
+        self._to_tokenizer.send(data, zmq.NOBLOCK)
 
     async def close(self) -> None:
         if self._task is not None:

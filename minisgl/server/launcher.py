@@ -307,7 +307,7 @@ class Launcher:
         )
 
         def on_signal() -> None:
-            loop.call_soon_threadsafe(backend.finish_all, "abort")
+            loop.call_soon_threadsafe(backend.shut_down)
 
         return make_uvicorn_server(config, on_signal)
 

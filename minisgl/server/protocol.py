@@ -8,14 +8,19 @@ field, which the API answers with a 400 in OpenAI's shape.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from minisgl.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+from minisgl.sampling_params import INT64_MAX, INT64_MIN, MAX_TOP_LOGPROBS, SamplingParams
 
 MAX_N = 64
 MAX_STOP_STRINGS = 64
+MAX_CHOICES = 1024
+"""Prompts times ``n`` in one request, at most."""
+
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
 
 
 class ProtocolError(ValueError):
@@ -36,8 +41,8 @@ class StreamOptions(_Strict):
 
 
 class TextPart(_Strict):
-    type: str
-    text: str | None = None
+    type: Literal["text"]
+    text: str
 
 
 class ChatMessage(BaseModel):
@@ -50,19 +55,19 @@ class ChatMessage(BaseModel):
 
 class _Sampling(_Strict):
     model: str | None = None
-    max_tokens: int | None = None
+    max_tokens: Int64 | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: int | None = None
+    min_tokens: Int64 | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
-    n: int | None = None
+    stop_token_ids: list[Int64] | None = None
+    seed: Int64 | None = None
+    n: Int64 | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = None
@@ -140,9 +145,9 @@ class _Sampling(_Strict):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int64 | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: Int64 | None = None
 
     def sampling_params(self) -> SamplingParams:
         self._check_common()
@@ -171,9 +176,9 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     echo: bool | None = None
-    logprobs: int | None = None
+    logprobs: Int64 | None = None
 
     def sampling_params(self) -> SamplingParams:
         self._check_common()
@@ -192,6 +197,10 @@ class CompletionRequest(_Sampling):
             prompts = [list(p)]
         else:
             prompts = list(p)
+        if len(prompts) * self.num_choices > MAX_CHOICES:
+            raise ProtocolError(
+                f"'prompt' times 'n' may make at most {MAX_CHOICES} completions", "prompt"
+            )
         for i, item in enumerate(prompts):
             where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
             if isinstance(item, list):
@@ -214,22 +223,35 @@ _UNION_HINTS = {
 }
 
 
-def _param_path(loc: tuple[Any, ...]) -> tuple[str, bool]:
-    """OpenAI-style field path, and whether the error sits inside a union alternative."""
+def _is_field(item: Any) -> bool:
+    """A field name in an error location (not a union alternative's tag like ``list[int]``)."""
+    return isinstance(item, str) and item.isidentifier() and item not in _TYPE_TAGS
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
+def _param_path(loc: tuple[Any, ...], through_unions: bool) -> str:
+    """OpenAI-style field path (``messages[0].content[1].text``) of an error location.
+
+    Union alternatives' tags are skipped when ``through_unions``; otherwise the path stops at
+    the first one.
+    """
     path = ""
-    in_union = False
     for item in loc:
         if isinstance(item, int):
             path += f"[{item}]"
-        elif not item.isidentifier():
-            in_union = True
-            break
-        elif item in ("str", "int", "float", "bool", "list", "dict", "none"):
-            in_union = True
-            break
-        else:
+        elif _is_field(item):
             path += f".{item}" if path else item
-    return path, in_union
+        elif not through_unions:
+            break
+    return path
+
+
+def _inside_model_alternative(loc: tuple[Any, ...]) -> bool:
+    """The error sits in a field of a union alternative that is a model (a content part)."""
+    tags = [i for i, item in enumerate(loc) if isinstance(item, str) and not _is_field(item)]
+    return bool(tags) and any(_is_field(item) for item in loc[tags[0] + 1 :])
 
 
 def parse_request(model: type[_Strict], body: bytes) -> Any:
@@ -237,12 +259,16 @@ def parse_request(model: type[_Strict], body: bytes) -> Any:
     try:
         return model.model_validate_json(body)
     except ValidationError as exc:
-        err = exc.errors(include_url=False)[0]
+        errors = exc.errors(include_url=False)
+        err = next((e for e in errors if _inside_model_alternative(tuple(e["loc"]))), errors[0])
+        loc = tuple(err["loc"])
         if err["type"] == "json_invalid":
             raise ProtocolError(f"the request body is not valid JSON: {err['msg']}") from None
-        if err["type"] == "model_type" and not err["loc"]:
+        if err["type"] == "model_type" and not loc:
             raise ProtocolError("the request body must be a JSON object") from None
-        param, in_union = _param_path(tuple(err["loc"]))
+        specific = _inside_model_alternative(loc)
+        param = _param_path(loc, through_unions=specific)
+        in_union = not specific and any(not _is_field(i) and isinstance(i, str) for i in loc)
         if err["type"] == "missing":
             raise ProtocolError(f"'{param}' is a required field", param) from None
         leaf = param.rsplit(".", 1)[-1].split("[", 1)[0]

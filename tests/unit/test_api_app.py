@@ -37,7 +37,7 @@ class FakeBackend(Backend):
         self.aborted: list[str] = []
         self._tasks: dict[str, asyncio.Task] = {}
 
-    def _send_nowait(self, msg: object) -> None:
+    def _send(self, msg: object, data: bytes) -> None:
         self.sent.append(msg)
         if isinstance(msg, AbortMsg):
             for rid in msg.rids:
@@ -249,6 +249,9 @@ async def test_validation_errors_are_400_never_422() -> None:
         )
         assert_error(await c.post("/v1/chat/completions", json={**CHAT, "n": 0}), 400, param="n")
         assert_error(await c.post("/v1/completions", json={"prompt": {}}), 400, param="prompt")
+        r = await c.post("/v1/chat/completions", json={**CHAT, "model": "CANARY" * 1000})
+        assert_error(r, 404, "model_not_found")
+        assert "CANARY" not in r.text and len(r.content) < 1000
         r = await c.post("/v1/chat/completions", json={**CHAT, "unknown_field": [1]})
         assert r.status_code == 200
         for ctype in ("text/plain", "application/x-www-form-urlencoded"):
@@ -340,6 +343,20 @@ async def test_starting_backend_answers_503_starting() -> None:
         backend.set_ready({"max_seq_len": 100})
         assert (await c.get("/health")).status_code == 200
         assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 200
+
+
+async def test_shutting_down_refuses_new_requests_and_aborts_old_ones() -> None:
+    backend = FakeBackend(delay=0.02)
+    async with make_client(backend) as c:
+        pending = asyncio.ensure_future(
+            c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 1000})
+        )
+        while not backend.num_inflight:
+            await asyncio.sleep(0.01)
+        backend.shut_down()
+        assert (await pending).json()["choices"][0]["finish_reason"] == "abort"
+        assert_error(await c.post("/v1/chat/completions", json=CHAT), 503, "shutting_down")
+        assert_error(await c.get("/health"), 503, "shutting_down")
 
 
 async def test_abort_endpoint_ends_a_request_with_abort() -> None:
@@ -465,3 +482,15 @@ async def test_shell_streams_keeps_history_and_resets() -> None:
     assert await shell.command("/reset") and shell.history == []
     assert not await shell.command("/exit")
     assert out.getvalue().endswith("(conversation cleared)\n")
+
+
+async def test_unencodable_request_is_400_and_leaves_nothing_in_flight() -> None:
+    from minisgl.sampling_params import SamplingParams
+    from minisgl.server.errors import ApiError
+
+    backend = FakeBackend()
+    msg = TokenizeMsg(rids=["x-0"], params=[SamplingParams()], input_ids=[1, 2**70])
+    with pytest.raises(ApiError) as info:
+        await backend.submit(msg, "x", asyncio.Queue())
+    assert info.value.status == 400
+    assert backend.num_inflight == 0 and backend.sent == []
