@@ -1,13 +1,15 @@
 """Engine speed: decode steps at several batch sizes and one long prefill, vs transformers.
 
     python scripts/bench_engine.py [--model PATH] [--batches 1,16,32] [--context 384]
-        [--dtypes float32,bfloat16] [--pack on|off|both] [--page-sizes 1,16] [--no-hf]
+        [--dtypes float32,bfloat16] [--weight-dtypes auto,bfloat16] [--pack on|off|both]
+        [--page-sizes 1,16] [--no-hf] [--stat median|min]
 
 Decode batches read ``--context`` cached tokens per request (the KV pool is filled with
 random values; slots come from shuffled pages, as after cache churn) and sample greedily.
 transformers runs the same weights in float32 with its own KV cache
 (``model(input_ids=next_tokens, cache=...)``). All variants of a case are timed round-robin,
-one step each per round, so drifting machine load hits them alike; times are medians.
+one step each per round, so drifting machine load hits them alike; times are medians
+(``--stat min``: minima, an estimate of the unloaded time on a shared machine).
 """
 
 from __future__ import annotations
@@ -123,8 +125,10 @@ def hf_prefill_step(model, length: int) -> Callable[[], None]:
     return step
 
 
-def round_robin(steps: dict[str, Callable[[], None]], rounds: int, warmup: int = 2):
-    """Median milliseconds per variant, timing one call of each variant per round."""
+def round_robin(
+    steps: dict[str, Callable[[], None]], rounds: int, warmup: int = 2, stat: str = "median"
+) -> dict[str, float]:
+    """Milliseconds per variant (median or min over rounds), one call of each per round."""
     for fn in steps.values():
         for _ in range(warmup):
             fn()
@@ -134,7 +138,8 @@ def round_robin(steps: dict[str, Callable[[], None]], rounds: int, warmup: int =
             start = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    reduce = min if stat == "min" else statistics.median
+    return {name: reduce(t) * 1e3 for name, t in times.items()}
 
 
 def main() -> None:
@@ -151,8 +156,19 @@ def main() -> None:
     parser.add_argument(
         "--pack", default="on", choices=["on", "off", "both"], help="CPU: oneDNN packed linears"
     )
+    parser.add_argument(
+        "--weight-dtypes",
+        default="auto",
+        help="comma-separated CPU weight storage dtypes for float32 engines (auto, bfloat16)",
+    )
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument(
+        "--stat",
+        default="median",
+        choices=["median", "min"],
+        help="min estimates the unloaded time on a shared machine",
+    )
     args = parser.parse_args()
 
     batches = [int(b) for b in args.batches.split(",")]
@@ -160,12 +176,18 @@ def main() -> None:
     engines: dict[str, Engine] = {}
     page_sizes = [int(p) for p in args.page_sizes.split(",")]
     packs = {"on": [True], "off": [False], "both": [True, False]}[args.pack]
-    for dtype, pack, ps in itertools.product(args.dtypes.split(","), packs, page_sizes):
+    variants = itertools.product(
+        args.dtypes.split(","), args.weight_dtypes.split(","), packs, page_sizes
+    )
+    for dtype, wdtype, pack, ps in variants:
+        if wdtype != "auto" and dtype != "float32":
+            continue
         engine_module.CPU_PACKED_LINEARS = pack
         engine = Engine(
             EngineConfig(
                 model=args.model,
                 dtype=dtype,
+                weight_dtype=wdtype,
                 device=args.device,
                 attn=args.attn,
                 page_size=ps,
@@ -175,7 +197,7 @@ def main() -> None:
         for layer in range(engine.model_config.num_layers):
             engine.kv_cache.k_cache(layer).normal_(0, 0.1)
             engine.kv_cache.v_cache(layer).normal_()
-        label = dtype
+        label = dtype if wdtype == "auto" else f"{dtype} w:{wdtype}"
         if engine.device.type == "cpu" and len(packs) > 1:
             label += " packed" if pack else " F.linear"
         if len(page_sizes) > 1:
@@ -213,7 +235,7 @@ def main() -> None:
                 else hf_decode_step(hf, b, args.context)
             )
         rounds = args.steps if b is not None else max(3, args.steps // 3)
-        result = round_robin(steps, rounds, warmup=2 if b is not None else 1)
+        result = round_robin(steps, rounds, 2 if b is not None else 1, args.stat)
         tokens_per_call = b if b is not None else args.prefill
         base = result.get("transformers fp32")
         for label, ms in result.items():

@@ -1,8 +1,11 @@
 """The reference backend: paged attention with ``torch.nn.functional.scaled_dot_product_attention``.
 
-Works on any device. ``prepare`` turns the host page table into device page indices once
-per batch; each layer then does one gather of whole pages (one ``index_select``; with the
-interleaved pool layout it fetches K and V together) and one batched SDPA.
+Works on any device. On CPU (float32 / bfloat16) requests with few new tokens -- decodes and
+short extends -- run in one compiled kernel call that reads K/V straight from the pool pages
+(``minisgl.kernels``); longer extends use SDPA per request. Elsewhere ``prepare`` turns the
+host page table into device page indices once per batch; each layer then does one gather of
+whole pages (one ``index_select``; with the interleaved pool layout it fetches K and V
+together) and one batched SDPA.
 
 Request ``b`` attends from its positions ``[cached_len, device_len)`` to keys ``[0, device_len)``::
 
@@ -17,6 +20,7 @@ to ``[B, max_extend]`` queries when that wastes little, and otherwise loops over
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -24,10 +28,14 @@ import torch.nn.functional as F
 
 from minisgl.attention.base import AttentionBackend, AttentionConfig, AttentionMetadata
 from minisgl.engine.batch import Batch
+from minisgl.kernels import CpuKernels, cpu_kernels
+from minisgl.kernels.cpu import MAX_GROUP, MAX_GROUP_DIM, MAX_HEAD_DIM
 from minisgl.kvcache.mha_pool import MHAKVCache
 
 PAD_WASTE_LIMIT = 1.5
 """Prefill pads the batch when padded attention work <= this times the ragged work."""
+KERNEL_MAX_EXTEND = 16
+"""With CPU kernels, requests with at most this many new tokens use the paged kernel."""
 
 
 @dataclass
@@ -63,10 +71,33 @@ class TorchPrefillMetadata(AttentionMetadata):
     """Loop mode: one entry per request."""
 
 
+@dataclass
+class TorchKernelMetadata(AttentionMetadata):
+    """CPU kernels: the short requests in one kernel call, the long ones one SDPA each."""
+
+    pages: torch.Tensor | None
+    """int64 ``[R, P]`` pages of the R short requests (None when there are none)."""
+    q_start: torch.Tensor | None
+    """int64 ``[R]``: first query row of each short request."""
+    q_len: torch.Tensor | None
+    kv_len: torch.Tensor | None
+    segments: list[_Segment]
+
+
 class TorchBackend(AttentionBackend):
     def __init__(self, config: AttentionConfig, kv_cache: MHAKVCache) -> None:
         super().__init__(config, kv_cache)
         self.group = config.num_heads // config.num_kv_heads
+        self.kernels = self._cpu_kernels(config)
+
+    def _cpu_kernels(self, config: AttentionConfig) -> CpuKernels | None:
+        if config.device.type != "cpu" or config.dtype not in CpuKernels.DTYPES:
+            return None
+        if config.head_dim > MAX_HEAD_DIM or self.group > MAX_GROUP:
+            return None
+        if self.group * config.head_dim > MAX_GROUP_DIM:
+            return None
+        return cpu_kernels()
 
     def prepare(self, batch: Batch) -> AttentionMetadata:
         ps, dev = self.config.page_size, self.config.device
@@ -82,6 +113,8 @@ class TorchBackend(AttentionBackend):
             pages.masked_fill_(
                 torch.arange(longest) >= num_pages.unsqueeze(1), self.kv_cache.pad_page
             )
+        if self.kernels is not None:
+            return self._prepare_kernel(batch, pages, num_pages)
         if batch.is_decode:
             mask = None
             if padded:
@@ -113,27 +146,63 @@ class TorchBackend(AttentionBackend):
     def _prepare_loop(
         self, batch: Batch, pages: torch.Tensor, num_pages: torch.Tensor
     ) -> TorchPrefillMetadata:
+        segments = self._segments(batch, pages, num_pages, range(batch.size))
+        return TorchPrefillMetadata(None, None, False, None, max(batch.extend_lens), segments)
+
+    def _prepare_kernel(
+        self, batch: Batch, pages: torch.Tensor, num_pages: torch.Tensor
+    ) -> TorchKernelMetadata:
+        ext = batch.extend_lens
+        short = [b for b, e in enumerate(ext) if e <= KERNEL_MAX_EXTEND]
+        long = [b for b, e in enumerate(ext) if e > KERNEL_MAX_EXTEND]
+        segments = self._segments(batch, pages, num_pages, long)
+        if not short:
+            return TorchKernelMetadata(None, None, None, None, segments)
+        starts = [0]
+        for e in ext[:-1]:
+            starts.append(starts[-1] + e)
+        if long:
+            pages = pages.index_select(0, torch.tensor(short))
+        return TorchKernelMetadata(
+            pages=pages,
+            q_start=torch.tensor([starts[b] for b in short], dtype=torch.int64),
+            q_len=torch.tensor([ext[b] for b in short], dtype=torch.int64),
+            kv_len=torch.tensor([batch.device_len[b] for b in short], dtype=torch.int64),
+            segments=segments,
+        )
+
+    def _segments(
+        self, batch: Batch, pages: torch.Tensor, num_pages: torch.Tensor, which: Iterable[int]
+    ) -> list[_Segment]:
+        """One SDPA segment for each request in ``which`` (token ranges in batch order)."""
         dev, ps = self.config.device, self.config.page_size
-        segments, start = [], 0
-        for b, (c, d) in enumerate(zip(batch.cached_len, batch.device_len, strict=True)):
-            n = int(num_pages[b])
+        starts, acc = [], 0
+        for e in batch.extend_lens:
+            starts.append(acc)
+            acc += e
+        segments = []
+        for b in which:
+            c, d, n = batch.cached_len[b], batch.device_len[b], int(num_pages[b])
             mask = None
             if c > 0:
                 c_t, d_t = torch.tensor([c]), torch.tensor([d])
                 mask = _prefix_causal_mask(c_t, d_t, d - c, n * ps).unsqueeze(1).to(dev)
-            segments.append(_Segment(start, start + d - c, pages[b : b + 1, :n].to(dev), mask))
-            start += d - c
-        return TorchPrefillMetadata(None, None, False, None, max(batch.extend_lens), segments)
+            segments.append(
+                _Segment(starts[b], starts[b] + d - c, pages[b : b + 1, :n].to(dev), mask)
+            )
+        return segments
 
     def forward(
         self, q: torch.Tensor, layer_id: int, kv_cache: MHAKVCache, metadata: AttentionMetadata
     ) -> torch.Tensor:
+        if isinstance(metadata, TorchKernelMetadata):
+            return self._forward_kernel(q, layer_id, kv_cache, metadata)
         if isinstance(metadata, TorchDecodeMetadata):
             k, v = self._gather(kv_cache, layer_id, metadata.pages)
             return self._decode(q, k, v, metadata)
         assert isinstance(metadata, TorchPrefillMetadata)
         if metadata.segments is not None:
-            return self._prefill_loop(q, kv_cache, layer_id, metadata.segments)
+            return self._run_segments(q, kv_cache, layer_id, metadata.segments, torch.empty_like(q))
         assert metadata.pages is not None
         k, v = self._gather(kv_cache, layer_id, metadata.pages)
         return self._prefill_padded(q, k, v, metadata)
@@ -187,10 +256,36 @@ class TorchBackend(AttentionBackend):
             return out[0]
         return out.reshape(num_b * md.max_extend, h, d).index_select(0, md.q_dst)
 
-    def _prefill_loop(
-        self, q: torch.Tensor, kv_cache: MHAKVCache, layer_id: int, segments: list[_Segment]
+    def _forward_kernel(
+        self, q: torch.Tensor, layer_id: int, kv_cache: MHAKVCache, md: TorchKernelMetadata
     ) -> torch.Tensor:
-        out = torch.empty_like(q)
+        out = q.new_empty(q.shape)
+        if md.pages is not None:
+            assert self.kernels is not None
+            assert md.q_start is not None and md.q_len is not None and md.kv_len is not None
+            self.kernels.paged_attention(
+                q,
+                kv_cache.k_buffer(layer_id),
+                kv_cache.v_buffer(layer_id),
+                md.pages,
+                self.config.page_size,
+                md.q_start,
+                md.q_len,
+                md.kv_len,
+                self.config.scale,
+                out,
+            )
+        return self._run_segments(q, kv_cache, layer_id, md.segments, out)
+
+    def _run_segments(
+        self,
+        q: torch.Tensor,
+        kv_cache: MHAKVCache,
+        layer_id: int,
+        segments: list[_Segment],
+        out: torch.Tensor,
+    ) -> torch.Tensor:
+        """SDPA of each segment's queries against its gathered pages, written into ``out``."""
         for seg in segments:
             k, v = self._gather(kv_cache, layer_id, seg.pages)
             out[seg.start : seg.end] = F.scaled_dot_product_attention(

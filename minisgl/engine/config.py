@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+WEIGHT_DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -16,10 +17,14 @@ class EngineConfig:
     ``num_pages`` None sizes the pool from ``kv_memory_gb`` (CPU, default 4 GiB) or from
     ``memory_ratio`` of the free device memory after the weights (CUDA).
     ``dist_init_method``: torch.distributed rendezvous for ``tp_size > 1`` (default env://).
+    ``weight_dtype``: how linear weights are stored on CPU when ``dtype`` resolves to float32
+    and the compiled kernels exist (``bfloat16``: half the bytes read per decode step,
+    float32 arithmetic); ignored elsewhere.
     """
 
     model: str | None = None
     dtype: str = "auto"
+    weight_dtype: str = "auto"
     device: str = "auto"
     page_size: int = 1
     num_pages: int | None = None
@@ -34,6 +39,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.weight_dtype not in WEIGHT_DTYPES:
+            raise ValueError(
+                f"weight_dtype must be one of {WEIGHT_DTYPES}, got {self.weight_dtype!r}"
+            )
         if self.device not in DEVICES and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.page_size < 1:

@@ -38,8 +38,8 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_KV_MEMORY_GB = 4.0
 CPU_PACKED_LINEARS = True
-"""On CPU, run linear layers through oneDNN on pre-packed weights (faster than F.linear at
-batch sizes 4-64; see scripts/bench_engine.py --no-pack)."""
+"""On CPU, run linear layers on pre-packed weights: the compiled panel kernel where it exists,
+else oneDNN (see scripts/bench_engine.py --pack)."""
 MAX_POOL_SEQS = 64
 """The pool never holds more than this many ``max_seq_len`` sequences' worth of tokens."""
 
@@ -63,6 +63,7 @@ class Engine:
         else:
             torch.cuda.set_device(self.device)
         self.dtype = _resolve_dtype(config.dtype, self.device)
+        self.weight_dtype = _resolve_weight_dtype(config.weight_dtype, self.dtype)
         self.model_path: pathlib.Path = resolve_model_path(config.model)
         self.model_config: ModelConfig = ModelConfig.from_path(self.model_path)
         self.max_seq_len = self._max_seq_len()
@@ -126,7 +127,7 @@ class Engine:
             and self.dtype in (torch.float32, torch.bfloat16)
             and torch.backends.mkldnn.is_available()
         ):
-            model.pack_linears_for_cpu()
+            model.pack_linears_for_cpu(self.weight_dtype)
         return model.eval()
 
     def _num_pages(self) -> int:
@@ -229,6 +230,12 @@ def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name != "auto":
         return _DTYPES[name]
     return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def _resolve_weight_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    if name == "auto" or dtype != torch.float32:
+        return dtype
+    return _DTYPES[name]
 
 
 @contextlib.contextmanager

@@ -13,7 +13,7 @@ from minisgl.layers.linear import (
     RowParallelLinear,
 )
 from minisgl.layers.norm import RMSNorm
-from minisgl.layers.rotary import RotaryEmbedding
+from minisgl.layers.rotary import RotaryBatch, RotaryEmbedding
 
 __all__ = [
     "AttentionLayer",
@@ -22,6 +22,7 @@ __all__ = [
     "ParallelLMHead",
     "QKVParallelLinear",
     "RMSNorm",
+    "RotaryBatch",
     "RotaryEmbedding",
     "RowParallelLinear",
     "SiluAndMul",

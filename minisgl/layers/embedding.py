@@ -11,6 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl.distributed import TPGroup
+from minisgl.kernels import CpuKernels
+from minisgl.kernels.cpu import PackedWeight
+from minisgl.layers.linear import pack_panels
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -56,7 +59,8 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Projects hidden states to logits over the (padded) vocabulary, gathered from all ranks.
 
-    With ``tied`` the weight is the embedding's parameter itself (no copy).
+    With ``tied`` the weight is the embedding's parameter itself (no copy); ``pack_for_cpu``
+    then adds a panel-packed copy for the matmul.
     """
 
     def __init__(
@@ -69,6 +73,19 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(
             num_embeddings, embedding_dim, tp, weight=tied.weight if tied is not None else None
         )
+        self.tied = tied is not None
+        self.panels: PackedWeight | None = None
+        self.kernels: CpuKernels | None = None
+
+    def pack_for_cpu(self, weight_dtype: torch.dtype) -> None:
+        """Switch the matmul to a panel-packed copy of the weight (compiled CPU kernels);
+        a tied weight stays as it is for the embedding's lookups."""
+        self.panels, self.kernels = pack_panels(self.weight, weight_dtype)
+        if self.panels is not None and not self.tied:
+            self.weight.data = self.weight.data.new_empty(0)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.panels is not None:
+            assert self.kernels is not None
+            return self.tp.all_gather(self.kernels.linear(hidden, self.panels, None), dim=-1)
         return self.tp.all_gather(F.linear(hidden, self.weight), dim=-1)

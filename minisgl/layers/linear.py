@@ -8,8 +8,10 @@ which takes the full HF checkpoint tensor and copies this rank's shard::
     merged QKV weight rows:  [ q (local heads) | k (local kv heads) | v (local kv heads) ]
     merged gate_up rows:     [ gate (local) | up (local) ]
 
-On CPU the engine may then call ``pack_for_cpu`` to switch a layer to oneDNN's matmul on a
-pre-packed weight layout (faster than MKL sgemm on the plain layout for small batches).
+On CPU the engine may then call ``pack_for_cpu``: with the compiled AVX-512 kernels and float32
+activations the weight moves into the panel layout of ``minisgl.kernels`` (optionally stored
+as bfloat16, halving the bytes each decode step reads); otherwise it is pre-packed for
+oneDNN's matmul (faster than MKL sgemm on the plain layout for small batches).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl.distributed import TPGroup
+from minisgl.kernels import CpuKernels, cpu_kernels
+from minisgl.kernels.cpu import PackedWeight
 
 PACK_BATCH_HINT = 16
 """Batch size oneDNN tunes the packed weight layout for (any batch size works)."""
@@ -48,25 +52,44 @@ class LinearBase(nn.Module):
         else:
             self.bias = None
         self.packed: torch.Tensor | None = None
+        self.panels: PackedWeight | None = None
+        self.kernels: CpuKernels | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         raise NotImplementedError
 
-    def pack_for_cpu(self) -> None:
-        """Re-lay the loaded weight out for oneDNN's CPU matmul and drop the plain copy.
+    def pack_for_cpu(self, weight_dtype: torch.dtype) -> None:
+        """Re-lay the loaded weight out for the fastest CPU matmul and drop the plain copy;
+        ``weight_dtype`` (float32 or bfloat16) is how panel-packed weights are stored.
 
         Call once, after loading; afterwards ``weight`` is empty and cannot be reloaded.
         """
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACK_BATCH_HINT)
+        self.panels, self.kernels = pack_panels(self.weight, weight_dtype)
+        if self.panels is None:
+            weight = self.weight.detach()
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
         self.weight.data = self.weight.data.new_empty(0)
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.panels is not None:
+            assert self.kernels is not None
+            return self.kernels.linear(x, self.panels, bias)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
         return F.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._matmul(x, self.bias)
+
+
+def pack_panels(
+    weight: torch.Tensor, weight_dtype: torch.dtype
+) -> tuple[PackedWeight | None, CpuKernels | None]:
+    """The panel-packed copy of a float32 CPU ``weight`` when the AVX-512 kernels exist."""
+    kernels = cpu_kernels()
+    if kernels is None or not kernels.native_gemm or weight.dtype != torch.float32:
+        return None, None
+    return PackedWeight(weight.detach(), weight_dtype), kernels
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:

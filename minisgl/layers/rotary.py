@@ -1,7 +1,9 @@
 """Rotary position embedding (the non-interleaved "rotate half" form used by HF Llama).
 
 The cos / sin tables are computed once for all positions ``[0, max_positions)``; a batch
-looks its positions up once (``lookup``) and every layer reuses the result (``apply``).
+looks its positions up once (``lookup``) and every layer reuses the result
+(``RotaryBatch.apply``). On CPU in float32 / bfloat16 the compiled kernel rotates in place
+straight from the tables instead.
 The sign of ``rotate_half`` is folded into the sin table::
 
     rotate_half(x) * sin == cat(x2, x1) * cat(-sin1, sin1)
@@ -10,10 +12,12 @@ The sign of ``rotate_half`` is folded into the sin table::
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from minisgl.kernels import CpuKernels, cpu_kernels
 from minisgl.models.config import RopeConfig
 
 
@@ -53,14 +57,34 @@ class RotaryEmbedding(nn.Module):
             "sin_table", torch.cat([-sin, sin], dim=-1).to(dtype), persistent=False
         )
 
-    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, sin)`` of shape ``[T, 1, head_dim]`` for positions ``[T]``."""
+    def lookup(self, positions: torch.Tensor) -> RotaryBatch:
+        """The rotation of one batch's positions ``[T]`` (int64), shared by all layers."""
+        kernels = cpu_kernels() if CpuKernels.supports(self.cos_table) else None
+        if kernels is not None and self.head_dim <= 256:
+            return RotaryBatch(positions, self.cos_table, self.sin_table, kernels)
         cos = self.cos_table.index_select(0, positions).unsqueeze(1)
         sin = self.sin_table.index_select(0, positions).unsqueeze(1)
-        return cos, sin
+        return RotaryBatch(positions, cos, sin, None)
 
-    @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x`` of shape ``[T, heads, head_dim]``; returns a new tensor."""
+
+@dataclass(frozen=True)
+class RotaryBatch:
+    """With ``kernels``: ``cos`` / ``sin`` are the whole ``[max_positions, head_dim]`` tables;
+    without: the looked-up rows, ``[T, 1, head_dim]``."""
+
+    positions: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    kernels: CpuKernels | None
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x`` (``[T, heads, head_dim]``); may work in place and return ``x``."""
+        if self.kernels is not None and x.stride(-1) == 1:
+            self.kernels.rotary(x, self.positions, self.cos, self.sin)
+            return x
+        cos, sin = self.cos, self.sin
+        if self.kernels is not None:
+            cos = cos.index_select(0, self.positions).unsqueeze(1)
+            sin = sin.index_select(0, self.positions).unsqueeze(1)
         swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
         return torch.addcmul(x * cos, swapped, sin)

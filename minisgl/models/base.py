@@ -21,6 +21,7 @@ from minisgl.layers import (
     ParallelLMHead,
     QKVParallelLinear,
     RMSNorm,
+    RotaryBatch,
     RotaryEmbedding,
     RowParallelLinear,
     SiluAndMul,
@@ -65,15 +66,14 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.attn = AttentionLayer(layer_id, self.num_heads, self.num_kv_heads, cfg.head_dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: RotaryBatch) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         t, h, hk, d = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         if self.qk_norm:
-            q = RotaryEmbedding.apply(self.q_norm(qkv[:, : h * d].view(t, h, d)), cos, sin)
-            k = self.k_norm(qkv[:, h * d : (h + hk) * d].view(t, hk, d))
-            k = RotaryEmbedding.apply(k, cos, sin)
+            q = rope.apply(self.q_norm(qkv[:, : h * d].reshape(t, h, d)))
+            k = rope.apply(self.k_norm(qkv[:, h * d : (h + hk) * d].reshape(t, hk, d)))
         else:
-            qk = RotaryEmbedding.apply(qkv[:, : (h + hk) * d].view(t, h + hk, d), cos, sin)
+            qk = rope.apply(qkv[:, : (h + hk) * d].view(t, h + hk, d))
             q, k = qk[:, :h], qk[:, h:]
         v = qkv[:, (h + hk) * d :].view(t, hk, d)
         return self.o_proj(self.attn(q, k, v))
@@ -104,14 +104,13 @@ class DecoderLayer(nn.Module):
         self,
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: RotaryBatch,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm.forward_residual(hidden, residual)
-        hidden = self.self_attn(hidden, cos, sin)
+        hidden = self.self_attn(hidden, rope)
         hidden, residual = self.post_attention_layernorm.forward_residual(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -125,10 +124,10 @@ class DecoderModel(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        cos, sin = self.rotary.lookup(positions)
+        rope = self.rotary.lookup(positions)
         hidden, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            hidden, residual = layer(hidden, residual, cos, sin)
+            hidden, residual = layer(hidden, residual, rope)
         return self.norm.forward_residual(hidden, residual)[0]
 
 
@@ -154,11 +153,13 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
-    def pack_linears_for_cpu(self) -> None:
-        """Switch every TP linear layer to pre-packed oneDNN weights (after loading)."""
+    def pack_linears_for_cpu(self, weight_dtype: torch.dtype) -> None:
+        """Switch every linear layer and the LM head to pre-packed CPU weights (after
+        loading); see ``LinearBase.pack_for_cpu``."""
         for module in self.modules():
             if isinstance(module, LinearBase):
-                module.pack_for_cpu()
+                module.pack_for_cpu(weight_dtype)
+        self.lm_head.pack_for_cpu(weight_dtype)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

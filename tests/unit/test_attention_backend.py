@@ -16,22 +16,27 @@ HEADS, KV_HEADS, HEAD_DIM, LAYERS = 6, 2, 8, 2
 MAX_SEQ = 96
 
 
-def _setup(page_size: int, num_pages: int = 64, seed: int = 0, layout: str = "interleaved"):
+def _setup(
+    page_size: int,
+    num_pages: int = 64,
+    seed: int = 0,
+    layout: str = "interleaved",
+    dtype: torch.dtype = torch.float32,
+    head_dim: int = HEAD_DIM,
+):
     torch.manual_seed(seed)
-    pool = MHAKVCache(
-        LAYERS, num_pages, page_size, KV_HEADS, HEAD_DIM, torch.float32, "cpu", layout=layout
-    )
+    pool = MHAKVCache(LAYERS, num_pages, page_size, KV_HEADS, head_dim, dtype, "cpu", layout=layout)
     for layer in range(LAYERS):
         pool.k_cache(layer).normal_()
         pool.v_cache(layer).normal_()
     config = AttentionConfig(
         num_heads=HEADS,
         num_kv_heads=KV_HEADS,
-        head_dim=HEAD_DIM,
+        head_dim=head_dim,
         page_size=page_size,
         device=torch.device("cpu"),
-        dtype=torch.float32,
-        scale=HEAD_DIM**-0.5,
+        dtype=dtype,
+        scale=head_dim**-0.5,
     )
     return pool, create_backend("torch", config, pool)
 
@@ -71,12 +76,12 @@ def _reference(q, pool: MHAKVCache, layer: int, batch: Batch) -> torch.Tensor:
         k = pool.k_cache(layer)[slots].double().repeat_interleave(group, dim=1)
         v = pool.v_cache(layer)[slots].double().repeat_interleave(group, dim=1)
         qi = q[start : start + ext].double()
-        scores = torch.einsum("ihd,jhd->hij", qi, k) / math.sqrt(HEAD_DIM)
+        scores = torch.einsum("ihd,jhd->hij", qi, k) / math.sqrt(q.shape[-1])
         allowed = torch.arange(total)[None, :] <= cached + torch.arange(ext)[:, None]
         scores = scores.masked_fill(~allowed, float("-inf"))
         outs.append(torch.einsum("hij,jhd->ihd", scores.softmax(-1), v))
         start += ext
-    return torch.cat(outs).float()
+    return torch.cat(outs).to(q.dtype)
 
 
 CASES = {
@@ -94,14 +99,45 @@ CASES = {
 @pytest.mark.parametrize("pad_limit", [0.0, 1e9], ids=["loop", "padded"])
 @pytest.mark.parametrize("layout", ["interleaved", "separate"])
 def test_torch_backend_matches_reference(page_size, case, pad_limit, layout, monkeypatch):
+    """The pure-torch paths (compiled CPU kernels switched off)."""
     monkeypatch.setattr(torch_backend, "PAD_WASTE_LIMIT", pad_limit)
     pool, backend = _setup(page_size, num_pages=512 // page_size, layout=layout)
+    backend.kernels = None
     batch = _batch(pool, CASES[case], seed=page_size)
     md = backend.prepare(batch)
     for layer in range(LAYERS):
         q = torch.randn(len(batch.input_ids), HEADS, HEAD_DIM)
         got = backend.forward(q, layer, pool, md).reshape(q.shape)
         torch.testing.assert_close(got, _reference(q, pool, layer, batch), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("layout", ["interleaved", "separate"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("max_extend", [1, 16])
+@pytest.mark.parametrize("head_dim", [8, 64], ids=["portable", "avx512"])
+def test_cpu_kernel_backend_matches_reference(
+    page_size, case, layout, dtype, max_extend, head_dim, monkeypatch
+):
+    """The compiled paged kernel for short requests, SDPA for the rest, in one batch; queries
+    are a strided view as the models pass them. Head dims that are multiples of 16 take the
+    AVX-512 path where the CPU has it."""
+    monkeypatch.setattr(torch_backend, "KERNEL_MAX_EXTEND", max_extend)
+    pool, backend = _setup(
+        page_size, num_pages=512 // page_size, layout=layout, dtype=dtype, head_dim=head_dim
+    )
+    if backend.kernels is None:
+        pytest.skip("no C compiler: CPU kernels unavailable")
+    batch = _batch(pool, CASES[case], seed=page_size)
+    md = backend.prepare(batch)
+    assert isinstance(md, torch_backend.TorchKernelMetadata)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for layer in range(LAYERS):
+        qkv = torch.randn(len(batch.input_ids), HEADS + 2 * KV_HEADS, head_dim).to(dtype)
+        q = qkv[:, :HEADS]
+        got = backend.forward(q, layer, pool, md).reshape(q.shape)
+        torch.testing.assert_close(got, _reference(q, pool, layer, batch), atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("layout", ["interleaved", "separate"])
