@@ -53,6 +53,7 @@ class LLM:
         max_prefill_length: int = 2048,
         device: str = "auto",
         dtype: str = "auto",
+        weight_dtype: str = "auto",
         tp: int = 1,
         mixed: bool = True,
         debug_invariant: bool = False,
@@ -67,7 +68,12 @@ class LLM:
 
         self.engine = Engine(
             EngineConfig(
-                model=model, dtype=dtype, device=device, page_size=page_size, num_pages=num_pages
+                model=model,
+                dtype=dtype,
+                weight_dtype=weight_dtype,
+                device=device,
+                page_size=page_size,
+                num_pages=num_pages,
             )
         )
         self.tokenizer = load_tokenizer(self.engine.model_path)

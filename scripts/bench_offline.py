@@ -1,9 +1,12 @@
 """Offline throughput of minisgl against transformers ``generate`` on the same workload.
 
 Usage: python scripts/bench_offline.py [--num-requests 64] [--skip-hf] [--hf-batch 16 32]
+    [--skip-mixed] [--skip-prefix]
 
 Workload (fixed seed): random token prompts of 100-1024 tokens, 100-512 output tokens each,
-ignore_eos. A second part compares the radix and naive caches on a shared-prefix workload.
+ignore_eos. The same workload runs with mixed batches (default) and with prefill and decode
+batches alternating (``mixed=False``). A last part compares the radix and naive caches on a
+shared-prefix workload.
 """
 
 from __future__ import annotations
@@ -87,6 +90,7 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-prefix", action="store_true")
+    ap.add_argument("--skip-mixed", action="store_true")
     ap.add_argument("--hf-batch", type=int, nargs="+", default=[16, 32])
     ap.add_argument("--max-running", type=int, default=64)
     args = ap.parse_args()
@@ -96,9 +100,19 @@ def main() -> None:
     work = workload(args.num_requests, vocab)
     dt, toks = bench_minisgl(llm, work)
     print(f"minisgl      : {toks} output tokens in {dt:7.2f} s = {toks / dt:7.1f} tok/s")
+    model_path = str(llm.engine.model_path)
+    del llm
+    if not args.skip_mixed:
+        alt = LLM(max_running_requests=args.max_running, mixed=False)
+        adt, atoks = bench_minisgl(alt, work)
+        del alt
+        print(
+            f"minisgl alternating prefill/decode: {atoks} tokens in {adt:7.2f} s = "
+            f"{atoks / adt:7.1f} tok/s (mixed x{(toks / dt) / (atoks / adt):.2f})"
+        )
     if not args.skip_hf:
         for b in args.hf_batch:
-            hdt, htoks = bench_hf(str(llm.engine.model_path), work, b)
+            hdt, htoks = bench_hf(model_path, work, b)
             print(
                 f"transformers : batch {b:3d}: {htoks} tokens in {hdt:7.2f} s = "
                 f"{htoks / hdt:7.1f} tok/s  (minisgl x{(toks / dt) / (htoks / hdt):.2f})"

@@ -27,6 +27,7 @@ from minisgl.engine.batch import Batch, BatchOutput, SampleInfo
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.context import ForwardContext, forward_context
 from minisgl.engine.sampler import Sampler
+from minisgl.kernels import cpu_kernels
 from minisgl.kvcache.mha_pool import MHAKVCache
 from minisgl.models.base import CausalLM
 from minisgl.models.config import ModelConfig
@@ -63,7 +64,7 @@ class Engine:
         else:
             torch.cuda.set_device(self.device)
         self.dtype = _resolve_dtype(config.dtype, self.device)
-        self.weight_dtype = _resolve_weight_dtype(config.weight_dtype, self.dtype)
+        self.weight_dtype = _resolve_weight_dtype(config, self.dtype, self.device)
         self.model_path: pathlib.Path = resolve_model_path(config.model)
         self.model_config: ModelConfig = ModelConfig.from_path(self.model_path)
         self.max_seq_len = self._max_seq_len()
@@ -232,10 +233,23 @@ def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-def _resolve_weight_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
-    if name == "auto" or dtype != torch.float32:
+def _resolve_weight_dtype(
+    config: EngineConfig, dtype: torch.dtype, device: torch.device
+) -> torch.dtype:
+    """How CPU linear weights are stored. ``dtype=auto`` on CPU computes in float32 and
+    stores weights as bfloat16 when the compiled matmul can read them: half the bytes per
+    decode step, which is bound by memory bandwidth (scripts/bench_engine.py)."""
+    if dtype != torch.float32 or device.type != "cpu" or not CPU_PACKED_LINEARS:
         return dtype
-    return _DTYPES[name]
+    explicit_fp32 = config.weight_dtype == "auto" and config.dtype != "auto"
+    if config.weight_dtype == "float32" or explicit_fp32:
+        return dtype
+    kernels = cpu_kernels()
+    if kernels is None or not kernels.native_gemm:
+        if config.weight_dtype == "bfloat16":
+            logger.warning("bfloat16 weights need the compiled AVX-512 CPU kernels; using float32")
+        return dtype
+    return torch.bfloat16
 
 
 @contextlib.contextmanager

@@ -162,6 +162,7 @@ def build_scheduler(args: ServerArgs, rank: int, master_port: int = 0) -> Any:
     engine_kwargs: dict[str, Any] = dict(
         model=args.model,
         dtype=args.dtype,
+        weight_dtype=args.weight_dtype,
         device=args.device,
         page_size=args.page_size,
         num_pages=args.num_pages,
@@ -196,6 +197,7 @@ def engine_facts(engine: Any) -> dict[str, Any]:
         "kv_tokens": int(engine.num_pages * engine.page_size),
         "device": str(engine.device),
         "dtype": str(engine.dtype).removeprefix("torch."),
+        "weight_dtype": str(engine.weight_dtype).removeprefix("torch."),
     }
 
 

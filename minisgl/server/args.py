@@ -21,6 +21,7 @@ class ServerArgs:
     tp: int = 1
     device: str = "auto"
     dtype: str = "auto"
+    weight_dtype: str = "auto"
     page_size: int = 1
     num_pages: int | None = None
     memory_ratio: float | None = None
@@ -111,6 +112,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         choices=["auto", "float32", "bfloat16", "float16"],
         help="weights and KV dtype; auto: the engine picks for the device (default: auto)",
+    )
+    g.add_argument(
+        "--weight-dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="CPU, float32 activations: how linear weights are stored; auto: bfloat16 when "
+        "--dtype is auto and the compiled kernels are available (default: auto)",
     )
     g.add_argument(
         "--device",
