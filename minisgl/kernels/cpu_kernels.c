@@ -6,12 +6,15 @@
  * loaded after torch, so it shares torch's OpenMP runtime and thread count.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
 #define DT_F32 0
 #define DT_BF16 1
 #define MAX_GROUP_DIM 4096 /* query heads per KV head x head_dim */
+#define MAX_TASK_DIM 8192  /* query heads x head_dim that one attention task may hold */
+#define MAX_TASK_HEADS 256
 #define MAX_HEAD_DIM 256
 
 static inline float bf16_to_f32(uint16_t h) {
@@ -134,58 +137,100 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(p, fi);
 }
 
-/* Blocks of 16 keys: scores for every query head of the group, one vector softmax update
- * per head, then V accumulated with the 16 probabilities. Needs head_dim % 16 == 0. */
-static void attend_avx512(const AttnTask *a, int64_t hk, int64_t limit, const float *qf,
-                          float *acc) {
-    const int64_t d = a->head_dim, group = a->group, chunks = d / 16;
-    float m[64], l[64], sc[64 * 16], corr_g[64];
-    int64_t offs[16];
-    for (int64_t g = 0; g < group; g++) {
-        m[g] = -1e30f;
-        l[g] = 0.0f;
-        for (int64_t x = 0; x < d; x++) acc[g * d + x] = 0.0f;
+/* Pool slots are scattered pages, so hardware prefetch cannot see the next block coming:
+ * request the K and V rows of heads [hk0, hk0 + nkv) while the current block is computed. */
+static inline void prefetch_keys(const AttnTask *a, int64_t hk0, int64_t nkv, int64_t j0,
+                                 int64_t limit) {
+    const int64_t end = j0 + 16 < limit ? j0 + 16 : limit;
+    const int64_t bytes = nkv * a->head_dim * (a->dtype == DT_F32 ? 4 : 2);
+    for (int64_t j = j0; j < end; j++) {
+        const int64_t off = key_offset(a, j, hk0);
+        const char *kp = elem(a->k, off, a->dtype), *vp = elem(a->v, off, a->dtype);
+        for (int64_t b = 0; b < bytes; b += 64) {
+            _mm_prefetch(kp + b, _MM_HINT_T0);
+            _mm_prefetch(vp + b, _MM_HINT_T0);
+        }
     }
+}
+
+/* KV heads [hk0, hk0 + nkv) of one query over keys [0, limit), in blocks of 16 keys: the
+ * scores of every query head, one vector softmax update per head, then V accumulated with
+ * the 16 probabilities. qf / acc hold the nkv * group heads. Needs head_dim % 16 == 0. */
+static inline __attribute__((always_inline)) void attend_blocks(
+    const AttnTask *a, int64_t hk0, int64_t nkv, int64_t limit, const float *qf, float *acc,
+    const int64_t chunks) {
+    const int64_t d = chunks * 16, group = a->group, heads = nkv * group;
+    float m[MAX_TASK_HEADS], l[MAX_TASK_HEADS], corr_h[MAX_TASK_HEADS];
+    float sc[MAX_TASK_HEADS * 16];
+    int64_t offs[16];
+    for (int64_t h = 0; h < heads; h++) {
+        m[h] = -1e30f;
+        l[h] = 0.0f;
+    }
+    for (int64_t x = 0; x < heads * d; x++) acc[x] = 0.0f;
     for (int64_t j0 = 0; j0 < limit; j0 += 16) {
         const int64_t n = limit - j0 < 16 ? limit - j0 : 16;
         const __mmask16 valid = (__mmask16)((1u << n) - 1u);
-        for (int64_t t = 0; t < n; t++) offs[t] = key_offset(a, j0 + t, hk);
+        for (int64_t t = 0; t < n; t++) offs[t] = key_offset(a, j0 + t, hk0);
+        prefetch_keys(a, hk0, nkv, j0 + 16, limit);
         for (int64_t t = 0; t < n; t++) {
-            __m512 kv[MAX_HEAD_DIM / 16];
-            for (int64_t c = 0; c < chunks; c++) kv[c] = load16(a->k, offs[t] + c * 16, a->dtype);
-            for (int64_t g = 0; g < group; g++) {
-                __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(qf + g * d), kv[0]);
-                for (int64_t c = 1; c < chunks; c++)
-                    dot = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * d + c * 16), kv[c], dot);
-                sc[g * 16 + t] = _mm512_reduce_add_ps(dot);
+            for (int64_t kh = 0; kh < nkv; kh++) {
+                __m512 kv[MAX_HEAD_DIM / 16];
+                for (int64_t c = 0; c < chunks; c++)
+                    kv[c] = load16(a->k, offs[t] + kh * d + c * 16, a->dtype);
+                for (int64_t h = kh * group; h < (kh + 1) * group; h++) {
+                    __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(qf + h * d), kv[0]);
+                    for (int64_t c = 1; c < chunks; c++)
+                        dot = _mm512_fmadd_ps(_mm512_loadu_ps(qf + h * d + c * 16), kv[c], dot);
+                    sc[h * 16 + t] = _mm512_reduce_add_ps(dot);
+                }
             }
         }
-        for (int64_t g = 0; g < group; g++) {
-            const __m512 s = _mm512_maskz_loadu_ps(valid, sc + g * 16);
+        for (int64_t h = 0; h < heads; h++) {
+            const __m512 s = _mm512_maskz_loadu_ps(valid, sc + h * 16);
             const float blk = _mm512_mask_reduce_max_ps(valid, s);
-            const float best = blk > m[g] ? blk : m[g];
-            const float corr = expf(m[g] - best);
-            const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, _mm512_set1_ps(best))));
-            l[g] = l[g] * corr + _mm512_reduce_add_ps(p);
-            m[g] = best;
-            _mm512_storeu_ps(sc + g * 16, p);
-            corr_g[g] = corr;
+            const float best = blk > m[h] ? blk : m[h];
+            const __m512 p =
+                _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, _mm512_set1_ps(best))));
+            corr_h[h] = expf(m[h] - best);
+            l[h] = l[h] * corr_h[h] + _mm512_reduce_add_ps(p);
+            m[h] = best;
+            _mm512_storeu_ps(sc + h * 16, p);
         }
-        for (int64_t c = 0; c < chunks; c++) {
-            __m512 vv[16];
-            for (int64_t t = 0; t < n; t++) vv[t] = load16(a->v, offs[t] + c * 16, a->dtype);
-            for (int64_t g = 0; g < group; g++) {
-                float *ag = acc + g * d + c * 16;
-                __m512 r = _mm512_mul_ps(_mm512_loadu_ps(ag), _mm512_set1_ps(corr_g[g]));
+        for (int64_t kh = 0; kh < nkv; kh++) {
+            for (int64_t c = 0; c < chunks; c++) {
+                __m512 vv[16];
                 for (int64_t t = 0; t < n; t++)
-                    r = _mm512_fmadd_ps(_mm512_set1_ps(sc[g * 16 + t]), vv[t], r);
-                _mm512_storeu_ps(ag, r);
+                    vv[t] = load16(a->v, offs[t] + kh * d + c * 16, a->dtype);
+                for (int64_t h = kh * group; h < (kh + 1) * group; h++) {
+                    float *ah = acc + h * d + c * 16;
+                    __m512 r = _mm512_mul_ps(_mm512_loadu_ps(ah), _mm512_set1_ps(corr_h[h]));
+                    for (int64_t t = 0; t < n; t++)
+                        r = _mm512_fmadd_ps(_mm512_set1_ps(sc[h * 16 + t]), vv[t], r);
+                    _mm512_storeu_ps(ah, r);
+                }
             }
         }
     }
-    for (int64_t g = 0; g < group; g++) {
-        const float inv = 1.0f / l[g];
-        for (int64_t x = 0; x < d; x++) acc[g * d + x] *= inv;
+    for (int64_t h = 0; h < heads; h++) {
+        const float inv = 1.0f / l[h];
+        for (int64_t x = 0; x < d; x++) acc[h * d + x] *= inv;
+    }
+}
+
+/* attend_blocks with the common head dims as constants, so the per-chunk vectors stay in
+ * registers. */
+static void attend_avx512(const AttnTask *a, int64_t hk0, int64_t nkv, int64_t limit,
+                          const float *qf, float *acc) {
+    switch (a->head_dim) {
+        case 64:
+            attend_blocks(a, hk0, nkv, limit, qf, acc, 4);
+            break;
+        case 128:
+            attend_blocks(a, hk0, nkv, limit, qf, acc, 8);
+            break;
+        default:
+            attend_blocks(a, hk0, nkv, limit, qf, acc, a->head_dim / 16);
     }
 }
 #else
@@ -202,32 +247,36 @@ void paged_attention(const void *q, int64_t q_tok_stride, int64_t q_head_stride,
     const int64_t group = num_heads / num_kv_heads;
     const int64_t d = head_dim;
     const int vector = HAVE_AVX512 && d % 16 == 0;
+    /* One task reads whole slot rows (all KV heads) when there are enough requests to keep
+     * every thread busy; otherwise tasks split the KV heads. */
+    const int whole = vector && num_reqs >= 2 * omp_get_max_threads() &&
+                      num_heads <= MAX_TASK_HEADS && num_heads * d <= MAX_TASK_DIM;
+    const int64_t per_task = whole ? num_kv_heads : 1;
+    const int64_t chunks = num_kv_heads / per_task;
 #pragma omp parallel for collapse(2) schedule(dynamic, 1)
     for (int64_t r = 0; r < num_reqs; r++) {
-        for (int64_t hk = 0; hk < num_kv_heads; hk++) {
-            float qf[MAX_GROUP_DIM], acc[MAX_GROUP_DIM];
+        for (int64_t ch = 0; ch < chunks; ch++) {
+            float qf[MAX_TASK_DIM], acc[MAX_TASK_DIM];
+            const int64_t hk0 = ch * per_task, h0 = hk0 * group, heads = per_task * group;
             const AttnTask task = {k, v, slot_stride, page_size, d, group,
                                    pages + r * pages_stride, dtype};
             const int64_t first = kv_len[r] - q_len[r];
             for (int64_t i = 0; i < q_len[r]; i++) {
                 const int64_t tok = q_start[r] + i;
-                for (int64_t g = 0; g < group; g++) {
-                    const int64_t head = hk * group + g;
-                    load_row(qf + g * d, elem(q, tok * q_tok_stride + head * q_head_stride, dtype),
-                             d, dtype);
-                    for (int64_t x = 0; x < d; x++) qf[g * d + x] *= scale;
+                for (int64_t h = 0; h < heads; h++) {
+                    const void *src = elem(q, tok * q_tok_stride + (h0 + h) * q_head_stride, dtype);
+                    load_row(qf + h * d, src, d, dtype);
+                    for (int64_t x = 0; x < d; x++) qf[h * d + x] *= scale;
                 }
 #if HAVE_AVX512
                 if (vector)
-                    attend_avx512(&task, hk, first + i + 1, qf, acc);
+                    attend_avx512(&task, hk0, per_task, first + i + 1, qf, acc);
                 else
 #endif
-                    attend_generic(&task, hk, first + i + 1, qf, acc);
-                for (int64_t g = 0; g < group; g++) {
-                    const int64_t head = hk * group + g;
-                    store_row((char *)out + (tok * out_tok_stride + head * d) * (dtype ? 2 : 4),
-                              acc + g * d, d, dtype);
-                }
+                    attend_generic(&task, hk0, first + i + 1, qf, acc);
+                for (int64_t h = 0; h < heads; h++)
+                    store_row((char *)out + (tok * out_tok_stride + (h0 + h) * d) * (dtype ? 2 : 4),
+                              acc + h * d, d, dtype);
             }
         }
     }
@@ -379,14 +428,16 @@ void gemm_packed(const float *x, int64_t m_dim, int64_t ldx, const void *w, int6
                  int64_t k_dim, const float *bias, float *y, int64_t ldy, int wbf16) {
     const int64_t panels = (n_dim + PANEL - 1) / PANEL;
     const int64_t esize = wbf16 ? 2 : 4;
+    const int64_t tiles = (m_dim + TILE_M - 1) / TILE_M; /* rows split evenly over tiles */
 #pragma omp parallel for schedule(static)
     for (int64_t p = 0; p < panels; p++) {
+        int mb = 0;
         const int64_t n0 = p * PANEL;
         const int64_t valid = n_dim - n0 < PANEL ? n_dim - n0 : PANEL;
         const void *panel = (const char *)w + p * k_dim * PANEL * esize;
         const float *bias_p = bias != NULL ? bias + n0 : NULL;
-        for (int64_t m0 = 0; m0 < m_dim; m0 += TILE_M) {
-            const int mb = m_dim - m0 < TILE_M ? (int)(m_dim - m0) : TILE_M;
+        for (int64_t t = 0, m0 = 0; t < tiles; t++, m0 += mb) {
+            mb = (int)(m_dim / tiles + (t < m_dim % tiles));
             const float *xm = x + m0 * ldx;
             float *ym = y + m0 * ldy + n0;
             if (wbf16) {
