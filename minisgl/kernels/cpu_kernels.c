@@ -356,6 +356,7 @@ void rotary(void *x, int64_t tokens, int64_t heads, int64_t tok_stride, int64_t 
  */
 #define PANEL 32
 #define TILE_M 12
+#define PREFETCH_BYTES 1024 /* how far ahead a small tile prefetches its weight stream */
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -387,7 +388,10 @@ static inline __attribute__((always_inline)) void gemm_tile(
         acc[i][0] = b0;
         acc[i][1] = b1;
     }
+    const char *ahead = (const char *)panel + PREFETCH_BYTES;
+    const int64_t row_bytes = PANEL * (wbf16 ? 2 : 4);
     for (int64_t k = 0; k < k_dim; k++) {
+        if (mb <= 4) _mm_prefetch(ahead + k * row_bytes, _MM_HINT_T0);
         const __m512 w0 = load_panel(panel, k * PANEL, wbf16);
         const __m512 w1 = load_panel(panel, k * PANEL + 16, wbf16);
         for (int i = 0; i < mb; i++) {
