@@ -19,14 +19,8 @@ import httpx
 import openai
 import pytest
 
-from tests.integration.conftest import (
-    MAX_QUEUED,
-    MAX_RUNNING,
-    REPO,
-    RunningServer,
-    pid_alive,
-    start_server,
-)
+from tests.integration.conftest import MAX_QUEUED, MAX_RUNNING
+from tests.server_harness import REPO, Server, parse_metrics, pid_alive, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -39,21 +33,15 @@ LONG_TEXT = " ".join(
 
 
 @pytest.fixture(scope="module")
-def client(server: RunningServer) -> openai.OpenAI:
+def client(server: Server) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key=server.api_key, max_retries=0)
 
 
-def metrics(server: RunningServer) -> dict[str, float]:
-    text = httpx.get(f"{server.url}/metrics", timeout=10).text
-    values = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            values[name] = float(value)
-    return values
+def metrics(server: Server) -> dict[str, float]:
+    return parse_metrics(httpx.get(f"{server.url}/metrics", timeout=10).text)
 
 
-def wait_idle(server: RunningServer, timeout: float = 20.0) -> dict[str, float]:
+def wait_idle(server: Server, timeout: float = 20.0) -> dict[str, float]:
     """Wait until nothing runs and every KV token is free or evictable again."""
     deadline = time.monotonic() + timeout
     while True:
@@ -231,7 +219,7 @@ def test_radix_cache_reports_cached_tokens(client: openai.OpenAI) -> None:
     assert first.usage.prompt_tokens // 2 < cached <= second.usage.prompt_tokens
 
 
-def test_32_concurrent_streams(server: RunningServer, client: openai.OpenAI) -> None:
+def test_32_concurrent_streams(server: Server, client: openai.OpenAI) -> None:
     prompts = ["Count to five.", "Name a color.", "Say hello.", "What is 2+2?"]
     expected = {}
     for p in prompts:
@@ -282,7 +270,7 @@ def assert_error(resp: httpx.Response, status: int, code: str | None = None) -> 
     return err
 
 
-def test_errors_and_recovery(server: RunningServer, client: openai.OpenAI) -> None:
+def test_errors_and_recovery(server: Server, client: openai.OpenAI) -> None:
     url = f"{server.url}/v1/chat/completions"
     body = {"model": MODEL, "messages": FRANCE, "max_tokens": 3, "temperature": 0}
     h = server.headers
@@ -326,7 +314,7 @@ def test_errors_and_recovery(server: RunningServer, client: openai.OpenAI) -> No
     assert [m["id"] for m in models["data"]] == [MODEL]
 
 
-def test_abort_endpoint(server: RunningServer) -> None:
+def test_abort_endpoint(server: Server) -> None:
     url = f"{server.url}/v1/chat/completions"
     body = {
         "model": MODEL,
@@ -347,7 +335,7 @@ def test_abort_endpoint(server: RunningServer) -> None:
     assert len(rest) < 500
 
 
-def test_client_disconnect_frees_kv(server: RunningServer) -> None:
+def test_client_disconnect_frees_kv(server: Server) -> None:
     before = wait_idle(server)
     url = f"{server.url}/v1/chat/completions"
     body = {
@@ -376,7 +364,7 @@ def test_client_disconnect_frees_kv(server: RunningServer) -> None:
     assert during["minisgl_kv_total_tokens"] == after["minisgl_kv_total_tokens"]
 
 
-def test_metrics_names(server: RunningServer) -> None:
+def test_metrics_names(server: Server) -> None:
     text = httpx.get(f"{server.url}/metrics").text
     for name in (
         "minisgl_num_running_requests",
@@ -443,7 +431,7 @@ def test_startup_failure_is_reported() -> None:
 
 
 def test_naive_cache_and_worker_death() -> None:
-    srv = start_server("--cache", "naive", "--num-pages", "4096")
+    srv = start_server("--cache", "naive", "--num-pages", "4096", name="naive")
     try:
         client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0)
         messages = [{"role": "user", "content": LONG_TEXT + " Summarize."}]
@@ -471,7 +459,7 @@ def test_naive_cache_and_worker_death() -> None:
         srv.stop()
 
 
-def test_sigterm_ends_streams_and_all_processes(server: RunningServer) -> None:
+def test_sigterm_ends_streams_and_all_processes(server: Server) -> None:
     """Runs last: it stops the session's server (the fixture's teardown then has nothing to do)."""
     workers = server.workers()
     assert sorted(workers.values()) == ["minisgl-detok", "minisgl-sched-0", "minisgl-tok"]

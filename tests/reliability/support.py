@@ -1,7 +1,8 @@
 """Clients, metrics and stream parsing shared by the reliability tests, and the suite counters.
 
 Every HTTP request of the suite goes through :func:`http_client` or :func:`async_client`, so
-the end-of-run summary can report how many requests were sent.
+the end-of-run summary can report how many requests were sent (API calls and ``/health`` or
+``/metrics`` probes apart; the harness's own startup polls are not counted).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from typing import Any, Protocol
 import httpx
 import pytest
 
+from tests.server_harness import parse_metrics
+
 MODEL = "smollm2-135m"
 
 
@@ -25,36 +28,40 @@ class ServerLike(Protocol):
     headers: dict[str, str]
 
 
+PROBE_PATHS = ("/health", "/metrics")
+
+
 @dataclass
 class SuiteStats:
     """What the suite did, printed at the end of the run."""
 
-    requests: int = 0
+    requests: Counter = field(default_factory=Counter)
     outcomes: Counter = field(default_factory=Counter)
     disconnect_to_free_s: list[float] = field(default_factory=list)
     notes: dict[str, object] = field(default_factory=dict)
 
-    def p99_ms(self) -> float | None:
+    def count(self, request: httpx.Request) -> None:
+        """Tally one request sent: a server probe (``/health``, ``/metrics``) or an API call."""
+        self.requests["probe" if request.url.path in PROBE_PATHS else "api"] += 1
+
+    def disconnect_quantile_ms(self, q: float) -> float | None:
+        """The ``q`` quantile (nearest rank) of the disconnect -> KV free samples, in ms."""
         xs = sorted(self.disconnect_to_free_s)
         if not xs:
             return None
-        return 1000 * xs[min(len(xs) - 1, math.ceil(0.99 * len(xs)) - 1)]
+        return 1000 * xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
 
 
 STATS = SuiteStats()
 
 
-def _count(request: httpx.Request) -> None:
-    STATS.requests += 1
-
-
 async def _acount(request: httpx.Request) -> None:
-    STATS.requests += 1
+    STATS.count(request)
 
 
 def http_client(timeout: float = 60.0, **kwargs: Any) -> httpx.Client:
     """A counted synchronous client."""
-    return httpx.Client(timeout=timeout, event_hooks={"request": [_count]}, **kwargs)
+    return httpx.Client(timeout=timeout, event_hooks={"request": [STATS.count]}, **kwargs)
 
 
 def async_client(timeout: float = 60.0, **kwargs: Any) -> httpx.AsyncClient:
@@ -69,23 +76,11 @@ def async_client(timeout: float = 60.0, **kwargs: Any) -> httpx.AsyncClient:
 
 
 def read_metrics(http: httpx.Client, srv: ServerLike) -> dict[str, float]:
-    text = http.get(f"{srv.url}/metrics").text
-    values: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            values[name] = float(value)
-    return values
+    return parse_metrics(http.get(f"{srv.url}/metrics").text)
 
 
 async def aread_metrics(http: httpx.AsyncClient, srv: ServerLike) -> dict[str, float]:
-    text = (await http.get(f"{srv.url}/metrics")).text
-    values: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            values[name] = float(value)
-    return values
+    return parse_metrics((await http.get(f"{srv.url}/metrics")).text)
 
 
 def is_idle(m: dict[str, float]) -> bool:

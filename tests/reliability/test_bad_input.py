@@ -14,8 +14,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.reliability.conftest import MAIN_MAX_BODY, MAIN_MAX_SEQ_LEN, Server
+from tests.reliability.conftest import MAIN_MAX_BODY, MAIN_MAX_SEQ_LEN
 from tests.reliability.support import MODEL, http_client, read_metrics, wait_idle
+from tests.server_harness import Server
 
 pytestmark = pytest.mark.slow
 
@@ -33,28 +34,19 @@ def http(main_server: Server) -> Iterator[httpx.Client]:
         yield c
 
 
+def with_fields(body: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+    """``body`` with ``fields`` set, or removed where the value is ``DROP``."""
+    body = {**body, **fields}
+    return {k: v for k, v in body.items() if v is not DROP}
+
+
 def chat_body(**fields: Any) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": CANARY}],
-        "max_tokens": 2,
-    }
-    for k, v in fields.items():
-        if v is DROP:
-            body.pop(k, None)
-        else:
-            body[k] = v
-    return body
+    base = {"model": MODEL, "messages": [{"role": "user", "content": CANARY}], "max_tokens": 2}
+    return with_fields(base, fields)
 
 
 def completion_body(**fields: Any) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": MODEL, "prompt": CANARY, "max_tokens": 2}
-    for k, v in fields.items():
-        if v is DROP:
-            body.pop(k, None)
-        else:
-            body[k] = v
-    return body
+    return with_fields({"model": MODEL, "prompt": CANARY, "max_tokens": 2}, fields)
 
 
 def check_error(

@@ -14,7 +14,6 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.reliability.conftest import Server
 from tests.reliability.support import (
     MODEL,
     STATS,
@@ -27,6 +26,7 @@ from tests.reliability.support import (
     request,
     wait_idle,
 )
+from tests.server_harness import Server
 
 pytestmark = pytest.mark.slow
 

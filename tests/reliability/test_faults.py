@@ -17,7 +17,6 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.reliability.conftest import Server, wait_group_gone
 from tests.reliability.support import (
     MODEL,
     STATS,
@@ -27,6 +26,7 @@ from tests.reliability.support import (
     async_client,
     gauges,
 )
+from tests.server_harness import Server, pid_alive, wait_group_gone
 
 pytestmark = pytest.mark.slow
 
@@ -63,6 +63,23 @@ async def start_load(http: httpx.AsyncClient, srv: Server, n: int) -> list[async
         await asyncio.sleep(0.02)
 
 
+async def requests_until_exit(
+    http: httpx.AsyncClient, srv: Server, deadline: float
+) -> list[Outcome | httpx.HTTPError]:
+    """New requests, one after another, until the launcher exits (or ``deadline``): each
+    answer, or the connection error once nothing listens."""
+    late: list[Outcome | httpx.HTTPError] = []
+    i = 0
+    while srv.proc.poll() is None and time.monotonic() < deadline:
+        try:
+            late.append(await asyncio.wait_for(arequest(http, *long_body(i, False)), timeout=15))
+        except httpx.HTTPError as exc:
+            late.append(exc)
+        i += 1
+        await asyncio.sleep(0.02)
+    return late
+
+
 async def poll_health(http: httpx.AsyncClient, srv: Server, stop: asyncio.Event) -> list[int]:
     codes: list[int] = []
     while not stop.is_set():
@@ -89,16 +106,7 @@ def test_worker_killed(fault_server: Server, victim: str) -> None:
             await asyncio.sleep(0.05)
             os.kill(pid, signal.SIGKILL)
             results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=30)
-            late: list[Any] = []
-            deadline = time.monotonic() + EXIT_TIMEOUT_S
-            while srv.proc.poll() is None and time.monotonic() < deadline:
-                try:
-                    late.append(
-                        await asyncio.wait_for(arequest(http, *long_body(0, False)), timeout=15)
-                    )
-                except httpx.HTTPError as exc:
-                    late.append(exc)
-                await asyncio.sleep(0.05)
+            late = await requests_until_exit(http, srv, time.monotonic() + EXIT_TIMEOUT_S)
             stop.set()
             return results, await health, late
 
@@ -131,15 +139,7 @@ def test_sigterm_under_load(fault_server: Server) -> None:
             tasks = await start_load(http, srv, IN_FLIGHT)
             t0 = time.monotonic()
             srv.proc.send_signal(signal.SIGTERM)
-            late: list[Any] = []
-            while srv.proc.poll() is None and time.monotonic() < t0 + EXIT_TIMEOUT_S:
-                try:
-                    late.append(
-                        await asyncio.wait_for(arequest(http, *long_body(1, False)), timeout=15)
-                    )
-                except httpx.HTTPError as exc:
-                    late.append(exc)
-                await asyncio.sleep(0.02)
+            late = await requests_until_exit(http, srv, t0 + EXIT_TIMEOUT_S)
             results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=30)
             return results, late, time.monotonic() - t0
 
@@ -161,12 +161,4 @@ def test_sigterm_under_load(fault_server: Server) -> None:
         f" / {sum(isinstance(i, Exception) for i in late)}"
     )
     assert not wait_group_gone(srv.proc.pid, 10.0), "orphans left behind"
-    assert not any(os.path.exists(f"/proc/{p}") and _alive(p) for p in workers)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    assert not any(pid_alive(p) for p in workers)

@@ -14,12 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.reliability.conftest import (
-    PRESSURE_KV_TOKENS,
-    PRESSURE_MAX_QUEUED,
-    PRESSURE_MAX_RUNNING,
-    Server,
-)
+from tests.reliability.conftest import PRESSURE_KV_TOKENS, PRESSURE_MAX_QUEUED, PRESSURE_MAX_RUNNING
 from tests.reliability.support import (
     MODEL,
     STATS,
@@ -33,6 +28,7 @@ from tests.reliability.support import (
     read_metrics,
     wait_idle,
 )
+from tests.server_harness import Server
 
 pytestmark = pytest.mark.slow
 

@@ -12,8 +12,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.reliability.conftest import Server
 from tests.reliability.support import MODEL, Outcome, http_client, request, wait_idle
+from tests.server_harness import Server
 
 pytestmark = pytest.mark.slow
 
