@@ -53,9 +53,11 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300.0) -> None
     raise SystemExit("server did not become healthy in time")
 
 
-async def one_stream(client: httpx.AsyncClient, url: str, i: int, max_tokens: int) -> StreamResult:
+async def one_stream(
+    client: httpx.AsyncClient, url: str, model: str, i: int, max_tokens: int
+) -> StreamResult:
     body = {
-        "model": "default",
+        "model": model,
         "messages": [{"role": "user", "content": f"Tell me a long story about dragon {i}."}],
         "temperature": 0,
         "max_tokens": max_tokens,
@@ -80,11 +82,11 @@ async def one_stream(client: httpx.AsyncClient, url: str, i: int, max_tokens: in
     return StreamResult(stamps[0] - start if stamps else float("nan"), gaps, tokens)
 
 
-async def run_level(url: str, streams: int, max_tokens: int) -> None:
+async def run_level(url: str, model: str, streams: int, max_tokens: int) -> None:
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
         start = time.perf_counter()
         results = await asyncio.gather(
-            *(one_stream(client, url, i, max_tokens) for i in range(streams))
+            *(one_stream(client, url, model, i, max_tokens) for i in range(streams))
         )
         wall = time.perf_counter() - start
     gaps = sorted(g for r in results for g in r.gaps)
@@ -116,9 +118,10 @@ def main() -> None:
     try:
         wait_ready(url, proc)
         print(f"start-up to healthy: {time.monotonic() - started:.1f} s", flush=True)
-        asyncio.run(run_level(url, 2, 16))  # warm-up: kernels, allocator, first pages
+        model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+        asyncio.run(run_level(url, model, 2, 16))  # warm-up: kernels, allocator, first pages
         for n in (int(s) for s in args.streams.split(",")):
-            asyncio.run(run_level(url, n, args.max_tokens))
+            asyncio.run(run_level(url, model, n, args.max_tokens))
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

@@ -14,7 +14,7 @@
 #define DT_BF16 1
 #define MAX_GROUP_DIM 4096 /* query heads per KV head x head_dim */
 #define MAX_TASK_DIM 8192  /* query heads x head_dim that one attention task may hold */
-#define MAX_TASK_HEADS 256
+#define MAX_TASK_HEADS 64 /* query heads one attention task may hold */
 #define MAX_HEAD_DIM 256
 
 static inline float bf16_to_f32(uint16_t h) {
@@ -137,6 +137,24 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(p, fi);
 }
 
+/* Lane t of the result is the sum of the 16 lanes of v[t]: pairwise shuffles and adds, in
+ * place of 16 separate horizontal reductions. */
+static inline __m512 hsum16(const __m512 *v) {
+    __m512 a[8], b[4];
+    for (int i = 0; i < 8; i++)
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++)
+        b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0xee));
+    const __m512 u01 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88),
+                                     _mm512_shuffle_f32x4(b[0], b[1], 0xdd));
+    const __m512 u23 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88),
+                                     _mm512_shuffle_f32x4(b[2], b[3], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(u01, u23, 0x88),
+                         _mm512_shuffle_f32x4(u01, u23, 0xdd));
+}
+
 /* Pool slots are scattered pages, so hardware prefetch cannot see the next block coming:
  * request the K and V rows of heads [hk0, hk0 + nkv) while the current block is computed. */
 static inline void prefetch_keys(const AttnTask *a, int64_t hk0, int64_t nkv, int64_t j0,
@@ -162,6 +180,7 @@ static inline __attribute__((always_inline)) void attend_blocks(
     const int64_t d = chunks * 16, group = a->group, heads = nkv * group;
     float m[MAX_TASK_HEADS], l[MAX_TASK_HEADS], corr_h[MAX_TASK_HEADS];
     float sc[MAX_TASK_HEADS * 16];
+    __m512 prod[MAX_TASK_HEADS * 16];
     int64_t offs[16];
     for (int64_t h = 0; h < heads; h++) {
         m[h] = -1e30f;
@@ -173,7 +192,11 @@ static inline __attribute__((always_inline)) void attend_blocks(
         const __mmask16 valid = (__mmask16)((1u << n) - 1u);
         for (int64_t t = 0; t < n; t++) offs[t] = key_offset(a, j0 + t, hk0);
         prefetch_keys(a, hk0, nkv, j0 + 16, limit);
-        for (int64_t t = 0; t < n; t++) {
+        for (int64_t t = 0; t < 16; t++) {
+            if (t >= n) {
+                for (int64_t h = 0; h < heads; h++) prod[h * 16 + t] = _mm512_setzero_ps();
+                continue;
+            }
             for (int64_t kh = 0; kh < nkv; kh++) {
                 __m512 kv[MAX_HEAD_DIM / 16];
                 for (int64_t c = 0; c < chunks; c++)
@@ -182,12 +205,12 @@ static inline __attribute__((always_inline)) void attend_blocks(
                     __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(qf + h * d), kv[0]);
                     for (int64_t c = 1; c < chunks; c++)
                         dot = _mm512_fmadd_ps(_mm512_loadu_ps(qf + h * d + c * 16), kv[c], dot);
-                    sc[h * 16 + t] = _mm512_reduce_add_ps(dot);
+                    prod[h * 16 + t] = dot;
                 }
             }
         }
         for (int64_t h = 0; h < heads; h++) {
-            const __m512 s = _mm512_maskz_loadu_ps(valid, sc + h * 16);
+            const __m512 s = hsum16(prod + h * 16);
             const float blk = _mm512_mask_reduce_max_ps(valid, s);
             const float best = blk > m[h] ? blk : m[h];
             const __m512 p =
