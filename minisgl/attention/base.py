@@ -27,6 +27,8 @@ class AttentionConfig:
     device: torch.device
     dtype: torch.dtype
     scale: float
+    kv_dtype: torch.dtype | None = None
+    """The KV pool's dtype when it differs from ``dtype`` (torch backend on CPU only)."""
 
 
 class AttentionMetadata:

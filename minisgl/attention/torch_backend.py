@@ -91,7 +91,10 @@ class TorchBackend(AttentionBackend):
         self.kernels = self._cpu_kernels(config)
 
     def _cpu_kernels(self, config: AttentionConfig) -> CpuKernels | None:
+        kv_dtype = config.kv_dtype or config.dtype
         if config.device.type != "cpu" or config.dtype not in CpuKernels.DTYPES:
+            return None
+        if kv_dtype not in CpuKernels.DTYPES:
             return None
         if config.head_dim > MAX_HEAD_DIM or self.group > MAX_GROUP:
             return None
@@ -210,19 +213,20 @@ class TorchBackend(AttentionBackend):
     def _gather(
         self, kv_cache: MHAKVCache, layer_id: int, pages: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of ``pages`` (``[B, P]``) as ``[B, kv_heads, P * page_size, head_dim]``."""
+        """K and V of ``pages`` (``[B, P]``) as ``[B, kv_heads, P * page_size, head_dim]``, in
+        the query dtype."""
         b, n = pages.shape
         ps, hk, d = self.config.page_size, self.config.num_kv_heads, self.config.head_dim
         flat = pages.view(-1)
         if kv_cache.layout == "interleaved":
             buf = kv_cache.kv_buffer(layer_id)
             kv = buf.view(-1, ps * buf[0].numel()).index_select(0, flat)
-            kv = kv.view(b, n * ps, 2, hk, d).permute(2, 0, 3, 1, 4)
+            kv = kv.to(self.config.dtype).view(b, n * ps, 2, hk, d).permute(2, 0, 3, 1, 4)
             return kv[0], kv[1]
         k_buf, v_buf = kv_cache.k_buffer(layer_id), kv_cache.v_buffer(layer_id)
         k = k_buf.view(-1, ps * hk * d).index_select(0, flat).view(b, n * ps, hk, d)
         v = v_buf.view(-1, ps * hk * d).index_select(0, flat).view(b, n * ps, hk, d)
-        return k.transpose(1, 2), v.transpose(1, 2)
+        return k.transpose(1, 2).to(self.config.dtype), v.transpose(1, 2).to(self.config.dtype)
 
     def _decode(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: TorchDecodeMetadata

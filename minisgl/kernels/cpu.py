@@ -22,7 +22,7 @@ MAX_NORM_WIDTH = 8192
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
     "paged_attention": [_P, _I64, _I64, _P, _P, _I64, _P, _I64, _I64, _P, _P, _P]
-    + [_I64, _I64, _I64, _I64, _F32, _P, _I64, _INT],
+    + [_I64, _I64, _I64, _I64, _F32, _P, _I64, _INT, _INT],
     "rms_norm": [_P, _P, _P, _P, _I64, _I64, _F32, _INT, _INT],
     "rotary": [_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _INT],
     "gemm_packed": [_P, _I64, _I64, _P, _I64, _I64, _P, _P, _I64, _INT],
@@ -81,8 +81,8 @@ class CpuKernels:
         ``j`` is at slot ``pages[r, j // page_size] * page_size + j % page_size``).
 
         ``k`` / ``v`` are one layer's pool rows (``[slots, kv_heads, head_dim]`` views that
-        share a slot stride); query ``i`` of request ``r`` sees its keys
-        ``[0, kv_len - q_len + i]``.
+        share a slot stride; float32 or bfloat16, independently of ``q``); query ``i`` of
+        request ``r`` sees its keys ``[0, kv_len - q_len + i]``.
         """
         heads, head_dim = q.shape[1], q.shape[2]
         kv_heads = k.shape[1]
@@ -107,6 +107,7 @@ class CpuKernels:
             out.data_ptr(),
             out.stride(0),
             _DTYPE_CODES[q.dtype],
+            _DTYPE_CODES[k.dtype],
         )
 
     def linear(

@@ -65,8 +65,8 @@ static inline const char *elem(const void *base, int64_t index, int dtype) {
  * token slots come from its page list: key j lives at slot pages[r][j / page_size] *
  * page_size + j % page_size. Query i of request r sees keys [0, kv_len - q_len + i].
  * K and V of slot s start at k + s * slot_stride (and v + ...), heads head_dim apart.
- * Query heads [hk * group, (hk + 1) * group) share KV head hk; each (request, KV head) is
- * one task that reads its keys once per query with an online softmax over key blocks.
+ * Query heads [hk * group, (hk + 1) * group) share KV head hk. q / out have dtype, the pool
+ * kv_dtype (a float32 model may keep its KV cache in bfloat16).
  */
 typedef struct {
     const void *k, *v;
@@ -266,7 +266,7 @@ void paged_attention(const void *q, int64_t q_tok_stride, int64_t q_head_stride,
                      const int64_t *q_start, const int64_t *q_len, const int64_t *kv_len,
                      int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads,
                      int64_t head_dim, float scale, void *out, int64_t out_tok_stride,
-                     int dtype) {
+                     int dtype, int kv_dtype) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t d = head_dim;
     const int vector = HAVE_AVX512 && d % 16 == 0;
@@ -282,7 +282,7 @@ void paged_attention(const void *q, int64_t q_tok_stride, int64_t q_head_stride,
             float qf[MAX_TASK_DIM], acc[MAX_TASK_DIM];
             const int64_t hk0 = ch * per_task, h0 = hk0 * group, heads = per_task * group;
             const AttnTask task = {k, v, slot_stride, page_size, d, group,
-                                   pages + r * pages_stride, dtype};
+                                   pages + r * pages_stride, kv_dtype};
             const int64_t first = kv_len[r] - q_len[r];
             for (int64_t i = 0; i < q_len[r]; i++) {
                 const int64_t tok = q_start[r] + i;

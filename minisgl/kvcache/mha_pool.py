@@ -94,9 +94,10 @@ class MHAKVCache:
         return self._kv[layer]
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor) -> None:
-        """Write ``k``, ``v`` (``[T, num_kv_heads, head_dim]``) at slots ``out_loc`` (``[T]``)."""
+        """Write ``k``, ``v`` (``[T, num_kv_heads, head_dim]``) at slots ``out_loc`` (``[T]``),
+        converted to the pool's dtype."""
         if self._kv is not None:
-            self._kv[layer].index_copy_(0, out_loc, torch.stack((k, v), dim=1))
+            self._kv[layer].index_copy_(0, out_loc, torch.stack((k, v), dim=1).to(self.dtype))
         else:
-            self._k[layer].index_copy_(0, out_loc, k)
-            self._v[layer].index_copy_(0, out_loc, v)
+            self._k[layer].index_copy_(0, out_loc, k.to(self.dtype))
+            self._v[layer].index_copy_(0, out_loc, v.to(self.dtype))

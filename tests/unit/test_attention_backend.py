@@ -23,9 +23,12 @@ def _setup(
     layout: str = "interleaved",
     dtype: torch.dtype = torch.float32,
     head_dim: int = HEAD_DIM,
+    kv_dtype: torch.dtype | None = None,
 ):
     torch.manual_seed(seed)
-    pool = MHAKVCache(LAYERS, num_pages, page_size, KV_HEADS, head_dim, dtype, "cpu", layout=layout)
+    pool = MHAKVCache(
+        LAYERS, num_pages, page_size, KV_HEADS, head_dim, kv_dtype or dtype, "cpu", layout=layout
+    )
     for layer in range(LAYERS):
         pool.k_cache(layer).normal_()
         pool.v_cache(layer).normal_()
@@ -37,6 +40,7 @@ def _setup(
         device=torch.device("cpu"),
         dtype=dtype,
         scale=head_dim**-0.5,
+        kv_dtype=kv_dtype,
     )
     return pool, create_backend("torch", config, pool)
 
@@ -114,18 +118,27 @@ def test_torch_backend_matches_reference(page_size, case, pad_limit, layout, mon
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("layout", ["interleaved", "separate"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "dtype, kv_dtype",
+    [(torch.float32, None), (torch.bfloat16, None), (torch.float32, torch.bfloat16)],
+    ids=["fp32", "bf16", "fp32-bf16kv"],
+)
 @pytest.mark.parametrize("max_extend", [1, 16])
 @pytest.mark.parametrize("head_dim", [8, 64], ids=["portable", "avx512"])
 def test_cpu_kernel_backend_matches_reference(
-    page_size, case, layout, dtype, max_extend, head_dim, monkeypatch
+    page_size, case, layout, dtype, kv_dtype, max_extend, head_dim, monkeypatch
 ):
     """The compiled paged kernel for short requests, SDPA for the rest, in one batch; queries
     are a strided view as the models pass them. Head dims that are multiples of 16 take the
     AVX-512 path where the CPU has it."""
     monkeypatch.setattr(torch_backend, "KERNEL_MAX_EXTEND", max_extend)
     pool, backend = _setup(
-        page_size, num_pages=512 // page_size, layout=layout, dtype=dtype, head_dim=head_dim
+        page_size,
+        num_pages=512 // page_size,
+        layout=layout,
+        dtype=dtype,
+        head_dim=head_dim,
+        kv_dtype=kv_dtype,
     )
     if backend.kernels is None:
         pytest.skip("no C compiler: CPU kernels unavailable")
@@ -133,6 +146,7 @@ def test_cpu_kernel_backend_matches_reference(
     md = backend.prepare(batch)
     assert isinstance(md, torch_backend.TorchKernelMetadata)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert pool.dtype == (kv_dtype or dtype)
     for layer in range(LAYERS):
         qkv = torch.randn(len(batch.input_ids), HEADS + 2 * KV_HEADS, head_dim).to(dtype)
         q = qkv[:, :HEADS]
