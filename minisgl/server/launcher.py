@@ -36,7 +36,7 @@ from typing import Any
 from minisgl.message import ConfigMsg, FailedMsg, ProgressMsg, ReadyMsg, decode, encode
 from minisgl.server.args import ServerArgs, parse_args
 from minisgl.server.ipc import IpcPaths
-from minisgl.server.process import child_main, configure_logging
+from minisgl.server.process import SIGTERM_EXIT_CODE, child_main, configure_logging
 
 logger = logging.getLogger("minisgl.launcher")
 
@@ -237,6 +237,12 @@ class Launcher:
 
         def on_death(name: str, exitcode: int | None, error: str) -> None:
             def handle() -> None:
+                if exitcode in (SIGTERM_EXIT_CODE, -signal.SIGTERM):
+                    # SIGTERM sent to the whole process group (systemd, `kill -- -PGID`,
+                    # `timeout`): a stop request, not a crash.
+                    logger.info("%s got SIGTERM; stopping", name)
+                    stop_serving.set()
+                    return
                 first_line = error.strip().splitlines()[0] if error.strip() else error
                 logger.error("%s died (exit code %s): %s", name, exitcode, error.strip())
                 backend.fail(f"{name} exited with code {exitcode}: {first_line}")

@@ -72,8 +72,12 @@ def _set_up_linux_process(name: str) -> None:
         pass
 
 
+SIGTERM_EXIT_CODE = 128 + signal.SIGTERM
+"""A child's exit code after SIGTERM, so the launcher can tell a stop from a crash."""
+
+
 def _on_sigterm(signum: int, frame: object) -> None:
-    raise SystemExit(0)
+    raise SystemExit(SIGTERM_EXIT_CODE)
 
 
 def configure_logging(level: str, name: str) -> None:
@@ -97,7 +101,8 @@ def child_main(
     """Entry point of every child: ``target(link, *args)`` with failures reported upstream.
 
     The child ignores SIGINT (the launcher decides when to stop on Ctrl-C) and exits cleanly
-    on SIGTERM. An exception is sent to the launcher with its traceback, then exit code 1.
+    on SIGTERM, with ``SIGTERM_EXIT_CODE``. An exception is sent to the launcher with its
+    traceback, then exit code 1.
     The exit skips interpreter teardown (``os._exit``): the targets close their sockets
     themselves, and tearing down torch/transformers can take seconds.
     """

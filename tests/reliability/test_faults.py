@@ -162,3 +162,17 @@ def test_sigterm_under_load(fault_server: Server) -> None:
     )
     assert not wait_group_gone(srv.proc.pid, 10.0), "orphans left behind"
     assert not any(pid_alive(p) for p in workers)
+
+
+def test_sigterm_to_the_process_group_is_a_clean_stop(fault_server: Server) -> None:
+    """systemd, `timeout` and `kill -- -PGID` signal every process of the group: the
+    children's exits must read as a stop, not as crashes."""
+    srv = fault_server
+    workers = srv.workers()
+    os.killpg(srv.proc.pid, signal.SIGTERM)
+    code = srv.proc.wait(EXIT_TIMEOUT_S)
+    log = srv.log()
+    assert code == 0, log[-3000:]
+    assert " died " not in log, log[-3000:]
+    assert not wait_group_gone(srv.proc.pid, 10.0), "orphans left behind"
+    assert not any(pid_alive(p) for p in workers)
