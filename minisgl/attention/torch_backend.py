@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from minisgl.attention.base import AttentionBackend, AttentionConfig, AttentionMetadata
 from minisgl.engine.batch import Batch
 from minisgl.kernels import CpuKernels, cpu_kernels
-from minisgl.kernels.cpu import MAX_GROUP, MAX_GROUP_DIM, MAX_HEAD_DIM
+from minisgl.kernels.cpu import MAX_GROUP, MAX_HEAD_DIM, MAX_TASK_DIM
 from minisgl.kvcache.mha_pool import MHAKVCache
 
 PAD_WASTE_LIMIT = 1.5
@@ -98,7 +98,7 @@ class TorchBackend(AttentionBackend):
             return None
         if config.head_dim > MAX_HEAD_DIM or self.group > MAX_GROUP:
             return None
-        if self.group * config.head_dim > MAX_GROUP_DIM:
+        if self.group * config.head_dim > MAX_TASK_DIM:
             return None
         return cpu_kernels()
 

@@ -20,11 +20,14 @@ class EngineConfig:
     ``weight_dtype``: how linear weights are stored on CPU when ``dtype`` resolves to float32
     and the compiled kernels exist (``bfloat16``: half the bytes read per decode step,
     float32 arithmetic); ignored elsewhere.
+    ``kv_dtype``: the KV cache's dtype; ``auto`` is the model dtype. ``bfloat16`` under a
+    float32 model (CPU, torch attention backend) halves KV memory and attention reads.
     """
 
     model: str | None = None
     dtype: str = "auto"
     weight_dtype: str = "auto"
+    kv_dtype: str = "auto"
     device: str = "auto"
     page_size: int = 1
     num_pages: int | None = None
@@ -43,6 +46,8 @@ class EngineConfig:
             raise ValueError(
                 f"weight_dtype must be one of {WEIGHT_DTYPES}, got {self.weight_dtype!r}"
             )
+        if self.kv_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {WEIGHT_DTYPES}, got {self.kv_dtype!r}")
         if self.device not in DEVICES and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.page_size < 1:

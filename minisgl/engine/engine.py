@@ -65,10 +65,7 @@ class Engine:
             torch.cuda.set_device(self.device)
         self.dtype = _resolve_dtype(config.dtype, self.device)
         self.weight_dtype = _resolve_weight_dtype(config, self.dtype, self.device)
-        self.kv_dtype = self.dtype
-        """The KV pool's dtype. The CPU attention kernels can also read a bfloat16 pool from
-        float32 queries (30% less attention time at batch 16-32), but greedy outputs then
-        differ between the kernel and SDPA paths on some prompts, so it is not used yet."""
+        self.kv_dtype = self.dtype if config.kv_dtype == "auto" else _DTYPES[config.kv_dtype]
         self.model_path: pathlib.Path = resolve_model_path(config.model)
         self.model_config: ModelConfig = ModelConfig.from_path(self.model_path)
         self.max_seq_len = self._max_seq_len()
@@ -79,6 +76,11 @@ class Engine:
         self.page_size = config.page_size
         self.num_pages = self._num_pages()
         self.attn_name = resolve_backend_name(config.attn, self.device)
+        if self.kv_dtype != self.dtype and (self.device.type != "cpu" or self.attn_name != "torch"):
+            raise ValueError(
+                f"kv_dtype {config.kv_dtype} differs from the model dtype; that needs the torch "
+                "attention backend on CPU"
+            )
         self.kv_cache = MHAKVCache(
             num_layers=self.model_config.num_layers,
             num_pages=self.num_pages,

@@ -15,8 +15,10 @@ from minisgl.kernels.build import load_library
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 MAX_HEAD_DIM = 256
-MAX_GROUP_DIM = 4096
+MAX_TASK_DIM = 8192
+"""Query heads x head_dim one attention task holds (``MAX_TASK_DIM`` in cpu_kernels.c)."""
 MAX_GROUP = 64
+"""Query heads per KV head (``MAX_TASK_HEADS`` in cpu_kernels.c)."""
 MAX_NORM_WIDTH = 8192
 
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int

@@ -12,7 +12,6 @@
 
 #define DT_F32 0
 #define DT_BF16 1
-#define MAX_GROUP_DIM 4096 /* query heads per KV head x head_dim */
 #define MAX_TASK_DIM 8192  /* query heads x head_dim that one attention task may hold */
 #define MAX_TASK_HEADS 64 /* query heads one attention task may hold */
 #define MAX_HEAD_DIM 256

@@ -163,6 +163,7 @@ def build_scheduler(args: ServerArgs, rank: int, master_port: int = 0) -> Any:
         model=args.model,
         dtype=args.dtype,
         weight_dtype=args.weight_dtype,
+        kv_dtype=args.kv_dtype,
         device=args.device,
         page_size=args.page_size,
         num_pages=args.num_pages,
@@ -198,6 +199,7 @@ def engine_facts(engine: Any) -> dict[str, Any]:
         "device": str(engine.device),
         "dtype": str(engine.dtype).removeprefix("torch."),
         "weight_dtype": str(engine.weight_dtype).removeprefix("torch."),
+        "kv_dtype": str(engine.kv_dtype).removeprefix("torch."),
     }
 
 

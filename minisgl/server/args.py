@@ -22,6 +22,7 @@ class ServerArgs:
     device: str = "auto"
     dtype: str = "auto"
     weight_dtype: str = "auto"
+    kv_dtype: str = "auto"
     page_size: int = 1
     num_pages: int | None = None
     memory_ratio: float | None = None
@@ -119,6 +120,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "float32", "bfloat16"],
         help="CPU, float32 activations: how linear weights are stored; auto: bfloat16 when "
         "--dtype is auto and the compiled kernels are available (default: auto)",
+    )
+    g.add_argument(
+        "--kv-dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="KV cache dtype; auto: the model dtype. bfloat16 under a float32 model (CPU) "
+        "halves KV memory; greedy outputs may then differ slightly (default: auto)",
     )
     g.add_argument(
         "--device",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from minisgl import LLM, SamplingParams
 
@@ -128,3 +129,17 @@ def test_streaming_matches_generate(radix_llm: LLM) -> None:
         finished[d.index] += d.finished
     assert finished == [1, 1, 1, 1]
     assert texts == [r.text for r in radix_llm.generate(prompts, params)]
+
+
+def test_bfloat16_kv_cache_under_float32_model() -> None:
+    """The opt-in compact KV cache: a bf16 pool read by float32 attention still answers
+    correctly, serves a batch and leaves the cache invariant exact."""
+    llm = LLM(kv_dtype="bfloat16", num_pages=2048, debug_invariant=True)
+    assert llm.engine.kv_cache.dtype == torch.bfloat16
+    assert llm.engine.dtype == torch.float32
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    out = llm.generate([msgs], SamplingParams(temperature=0, max_tokens=32))[0]
+    assert "Paris" in out.text
+    results = llm.generate(chats(8), GREEDY)
+    assert all(r.finish_reason in ("stop", "length") and r.token_ids for r in results)
+    assert_idle_exact(llm)
