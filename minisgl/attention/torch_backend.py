@@ -149,7 +149,8 @@ class TorchBackend(AttentionBackend):
     def _prepare_loop(
         self, batch: Batch, pages: torch.Tensor, num_pages: torch.Tensor
     ) -> TorchPrefillMetadata:
-        segments = self._segments(batch, pages, num_pages, range(batch.size))
+        starts = _starts(batch.extend_lens)
+        segments = self._segments(batch, pages, num_pages, range(batch.size), starts)
         return TorchPrefillMetadata(None, None, False, None, max(batch.extend_lens), segments)
 
     def _prepare_kernel(
@@ -158,12 +159,10 @@ class TorchBackend(AttentionBackend):
         ext = batch.extend_lens
         short = [b for b, e in enumerate(ext) if e <= KERNEL_MAX_EXTEND]
         long = [b for b, e in enumerate(ext) if e > KERNEL_MAX_EXTEND]
-        segments = self._segments(batch, pages, num_pages, long)
+        starts = _starts(ext)
+        segments = self._segments(batch, pages, num_pages, long, starts)
         if not short:
             return TorchKernelMetadata(None, None, None, None, segments)
-        starts = [0]
-        for e in ext[:-1]:
-            starts.append(starts[-1] + e)
         if long:
             pages = pages.index_select(0, torch.tensor(short))
         return TorchKernelMetadata(
@@ -175,14 +174,16 @@ class TorchBackend(AttentionBackend):
         )
 
     def _segments(
-        self, batch: Batch, pages: torch.Tensor, num_pages: torch.Tensor, which: Iterable[int]
+        self,
+        batch: Batch,
+        pages: torch.Tensor,
+        num_pages: torch.Tensor,
+        which: Iterable[int],
+        starts: list[int],
     ) -> list[_Segment]:
-        """One SDPA segment for each request in ``which`` (token ranges in batch order)."""
+        """One SDPA segment for each request in ``which``; ``starts[b]`` is request b's first
+        token row."""
         dev, ps = self.config.device, self.config.page_size
-        starts, acc = [], 0
-        for e in batch.extend_lens:
-            starts.append(acc)
-            acc += e
         segments = []
         for b in which:
             c, d, n = batch.cached_len[b], batch.device_len[b], int(num_pages[b])
@@ -302,6 +303,15 @@ class TorchBackend(AttentionBackend):
                 enable_gqa=self.group > 1,
             )[0].transpose(0, 1)
         return out
+
+
+def _starts(extend_lens: list[int]) -> list[int]:
+    """First token row of each request in the batch's flattened tokens."""
+    starts, acc = [], 0
+    for e in extend_lens:
+        starts.append(acc)
+        acc += e
+    return starts
 
 
 def _prefix_causal_mask(
